@@ -1,0 +1,176 @@
+"""Frozen configuration objects: target SoCs, quantization schemes and the export configuration.
+
+Everything here is plain Python (no torch import) so the CLI and the runtime can read it cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+def _choices(enum_cls: type[enum.Enum]) -> str:
+    return ", ".join(m.value for m in enum_cls)
+
+
+def _parse_enum(enum_cls: type[enum.Enum], value: object, what: str):
+    if isinstance(value, enum_cls):
+        return value
+    for member in enum_cls:
+        if str(value).lower() == member.value.lower():
+            return member
+    raise ValueError(f"Unknown {what} {value!r}; expected one of: {_choices(enum_cls)}")
+
+
+class Soc(enum.Enum):
+    """Snapdragon SoCs whose Hexagon HTP the exporter targets (value: the marketing model name)."""
+
+    SM8550 = "SM8550"  # Snapdragon 8 Gen 2
+    SM8650 = "SM8650"  # Snapdragon 8 Gen 3
+    SM8750 = "SM8750"  # Snapdragon 8 Elite
+    SM8850 = "SM8850"  # Snapdragon 8 Elite Gen 5
+
+    @classmethod
+    def parse(cls, value: object) -> "Soc":
+        return _parse_enum(cls, value, "SoC")
+
+    @property
+    def htp_arch(self) -> int:
+        """Hexagon architecture version (v73, v75, v79, v81)."""
+        return _HTP_ARCH[self]
+
+
+_HTP_ARCH = {Soc.SM8550: 73, Soc.SM8650: 75, Soc.SM8750: 79, Soc.SM8850: 81}
+
+
+class QuantScheme(enum.Enum):
+    """How the HTP part of the graph is quantized: activation bits 'a', weight bits 'w'."""
+
+    FP16 = "fp16"
+    A16W16 = "16a16w"
+    A16W8 = "16a8w"
+    A16W4 = "16a4w"
+    A16W4_BLOCK = "16a4w_block"
+    A8W8 = "8a8w"
+
+    @classmethod
+    def parse(cls, value: object) -> "QuantScheme":
+        return _parse_enum(cls, value, "quant scheme")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self is not QuantScheme.FP16
+
+    @property
+    def activation_bits(self) -> int:
+        return {QuantScheme.FP16: 16, QuantScheme.A8W8: 8}.get(self, 16)
+
+    @property
+    def weight_bits(self) -> int:
+        return {
+            QuantScheme.FP16: 16,
+            QuantScheme.A16W16: 16,
+            QuantScheme.A16W8: 8,
+            QuantScheme.A16W4: 4,
+            QuantScheme.A16W4_BLOCK: 4,
+            QuantScheme.A8W8: 8,
+        }[self]
+
+
+class ExportMode(enum.Enum):
+    """`kv`: one decode method (ar_len 1). `hybrid`: a prefill method (ar_len N) plus the decode method."""
+
+    KV = "kv"
+    HYBRID = "hybrid"
+
+    @classmethod
+    def parse(cls, value: object) -> "ExportMode":
+        return _parse_enum(cls, value, "mode")
+
+
+BLOCK_SIZES = (32, 64)
+
+
+@dataclass(frozen=True)
+class EmbeddingQuant:
+    """Weight-only quantization of the CPU-side embedding tables (`bits,group`, e.g. `4,32`).
+
+    `bits=0` keeps the tables in floating point.
+    """
+
+    bits: int = 4
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.bits not in (0, 4, 8):
+            raise ValueError(f"Embedding quantization bits must be one of 0, 4, 8; got {self.bits}")
+        if self.bits and self.group_size <= 0:
+            raise ValueError(f"Embedding quantization group size must be positive; got {self.group_size}")
+
+    @classmethod
+    def parse(cls, text: str) -> "EmbeddingQuant":
+        """Parse `"4,32"` (bits, group size), `"8"` (per-row) or `"none"`."""
+        text = text.strip().lower()
+        if text in ("none", "0", "fp", "float"):
+            return cls(bits=0, group_size=0)
+        parts = text.split(",")
+        try:
+            bits = int(parts[0])
+            group = int(parts[1]) if len(parts) > 1 else 0
+        except ValueError:
+            raise ValueError(f"Cannot parse embedding quantization {text!r}; expected 'BITS,GROUP' such as '4,32'") from None
+        if bits and len(parts) == 1:
+            raise ValueError(f"Embedding quantization {text!r} needs a group size, e.g. '{bits},32'")
+        return cls(bits=bits, group_size=group)
+
+    def __str__(self) -> str:
+        return "none" if not self.bits else f"{self.bits},{self.group_size}"
+
+
+@dataclass(frozen=True)
+class ShapeConfig:
+    """Static shapes of the exported graphs.
+
+    Args:
+        max_seq_len: total context length C (past tokens + the tokens of one call).
+        prefill_ar_len: tokens per prefill call (hybrid mode); decode always takes 1.
+    """
+
+    max_seq_len: int = 1024
+    prefill_ar_len: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len <= 0 or self.prefill_ar_len <= 0:
+            raise ValueError(
+                f"max_seq_len and prefill_ar_len must be positive; got {self.max_seq_len} and {self.prefill_ar_len}"
+            )
+        if self.prefill_ar_len >= self.max_seq_len:
+            raise ValueError(
+                f"prefill_ar_len ({self.prefill_ar_len}) must be smaller than max_seq_len ({self.max_seq_len}): "
+                "each call's tokens are appended to a cache of max_seq_len - ar_len slots"
+            )
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Everything that decides what one export produces (one instance per CLI invocation)."""
+
+    socs: tuple[Soc, ...] = (Soc.SM8650,)
+    quant: QuantScheme = QuantScheme.A16W4_BLOCK
+    block_size: int = 64
+    mode: ExportMode = ExportMode.HYBRID
+    shapes: ShapeConfig = field(default_factory=ShapeConfig)
+    embedding_quant: EmbeddingQuant = field(default_factory=EmbeddingQuant)
+
+    def __post_init__(self) -> None:
+        if not self.socs:
+            raise ValueError("At least one SoC is required; expected some of: " + _choices(Soc))
+        if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
+
+    @property
+    def quant_tag(self) -> str:
+        """Variant name part for the quant scheme, e.g. `16a4w_block64`."""
+        if self.quant is QuantScheme.A16W4_BLOCK:
+            return f"{self.quant.value}{self.block_size}"
+        return self.quant.value
