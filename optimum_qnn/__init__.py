@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
-    "StaticCausalLM": "optimum_qnn.models.gemma4.modeling",
+    "StaticCausalLM": "optimum_qnn.models.gemma4",
     "ExportConfig": "optimum_qnn.config",
     "QuantScheme": "optimum_qnn.config",
     "Soc": "optimum_qnn.config",

@@ -1,0 +1,187 @@
+"""The runner contract: the exact IO of every exported method, defined once.
+
+The same object produces the export example inputs, drives the host-side KV management and is written into the
+runner manifest. See docs/runner_contract.md for the prose version.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from optimum_qnn.ops.mask import MASK_MIN
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+PREFILL_METHOD = "prefill_forward"
+DECODE_METHOD = "kv_forward"
+
+
+class AttentionKind(enum.Enum):
+    SLIDING = "sliding_attention"
+    FULL = "full_attention"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a method: name, static shape and dtype name (``float32``, ``int64``, ``int32``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one decoder layer attends and where its K/V come from.
+
+    Args:
+        index: decoder layer index.
+        attention: sliding or full attention (which mask input the layer reads).
+        head_dim: this layer's head dim.
+        kv_heads: this layer's number of KV heads.
+        kv_source: index of the layer whose K/V this layer attends to (itself when it owns a cache).
+        cache_index: position of this layer among the cache-owning layers, or None for a KV-reusing layer.
+    """
+
+    index: int
+    attention: AttentionKind
+    head_dim: int
+    kv_heads: int
+    kv_source: int
+    cache_index: int | None
+
+    @property
+    def owns_cache(self) -> bool:
+        return self.cache_index is not None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    ar_len: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def cache_len(self) -> int:
+        """Cache slots this method's K/V inputs hold (context_len - ar_len)."""
+        return next(t.shape[-1] for t in self.inputs if t.name.startswith("k_cache_"))
+
+
+@dataclass(frozen=True)
+class RunnerContract:
+    """Static IO of every method of one export, plus the facts a runner needs to drive it.
+
+    Inputs, in order: ``tokens`` int64 [1, ar]; ``atten_mask`` and ``sliding_atten_mask`` float [1, 1, ar, C];
+    ``input_pos`` int32 [1, ar]; one ``k_cache_{i}`` [1, kv_heads, head_dim, C - ar] per cache-owning layer i
+    (K stored transposed); one ``v_cache_{i}`` [1, kv_heads, C - ar, head_dim] per cache-owning layer.
+    Outputs: ``logits`` [1, ar, vocab]; ``k_new_{i}`` [1, kv_heads, head_dim, ar]; ``v_new_{i}`` [1, kv_heads, ar, head_dim].
+    """
+
+    context_len: int
+    vocab_size: int
+    sliding_window: int | None
+    layers: tuple[LayerSpec, ...]
+    methods: tuple[MethodSpec, ...]
+    mask_attend: float = 0.0
+    mask_masked: float = MASK_MIN
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        layers: tuple[LayerSpec, ...],
+        *,
+        vocab_size: int,
+        context_len: int,
+        ar_lens: dict[str, int],
+        sliding_window: int | None,
+    ) -> "RunnerContract":
+        """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call."""
+        methods = tuple(
+            _method_spec(name, ar, layers, vocab_size, context_len) for name, ar in ar_lens.items()
+        )
+        return cls(context_len, vocab_size, sliding_window, layers, methods)
+
+    @property
+    def cache_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(layer for layer in self.layers if layer.owns_cache)
+
+    def method(self, name: str) -> MethodSpec:
+        for m in self.methods:
+            if m.name == name:
+                return m
+        raise KeyError(f"Unknown method {name!r}; this export has: {', '.join(m.name for m in self.methods)}")
+
+    def method_for_ar_len(self, ar_len: int) -> MethodSpec:
+        for m in self.methods:
+            if m.ar_len == ar_len:
+                return m
+        raise KeyError(f"No method takes ar_len={ar_len}; available: {[m.ar_len for m in self.methods]}")
+
+    def example_inputs(self, method: str) -> tuple["torch.Tensor", ...]:
+        """Inputs of ``method`` for an empty cache: zero caches, position 0.., masks for n_past=0."""
+        import torch
+
+        from optimum_qnn.ops.mask import attention_mask
+
+        spec = self.method(method)
+        ar = spec.ar_len
+        tensors: list[torch.Tensor] = []
+        for t in spec.inputs:
+            if t.name == "tokens":
+                tensors.append(torch.zeros(t.shape, dtype=torch.int64))
+            elif t.name == "atten_mask":
+                tensors.append(attention_mask(ar, self.context_len, 0))
+            elif t.name == "sliding_atten_mask":
+                tensors.append(attention_mask(ar, self.context_len, 0, window=self.sliding_window))
+            elif t.name == "input_pos":
+                tensors.append(torch.arange(ar, dtype=torch.int32).view(1, ar))
+            else:
+                tensors.append(torch.zeros(t.shape, dtype=getattr(torch, t.dtype)))
+        return tuple(tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for layer in d["layers"]:
+            layer["attention"] = layer["attention"].value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunnerContract":
+        layers = tuple(LayerSpec(**{**layer, "attention": AttentionKind(layer["attention"])}) for layer in d["layers"])
+        methods = tuple(
+            MethodSpec(
+                m["name"],
+                m["ar_len"],
+                tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in m["inputs"]),
+                tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in m["outputs"]),
+            )
+            for m in d["methods"]
+        )
+        return cls(
+            d["context_len"], d["vocab_size"], d["sliding_window"], layers, methods,
+            d.get("mask_attend", 0.0), d.get("mask_masked", MASK_MIN), dict(d.get("extra", {})),
+        )
+
+
+def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int) -> MethodSpec:
+    if not 0 < ar < context_len:
+        raise ValueError(f"ar_len {ar} of method {name} must be in [1, {context_len - 1}]")
+    cache = context_len - ar
+    owners = [layer for layer in layers if layer.owns_cache]
+    inputs = [
+        TensorSpec("tokens", (1, ar), "int64"),
+        TensorSpec("atten_mask", (1, 1, ar, context_len), "float32"),
+        TensorSpec("sliding_atten_mask", (1, 1, ar, context_len), "float32"),
+        TensorSpec("input_pos", (1, ar), "int32"),
+    ]
+    inputs += [TensorSpec(f"k_cache_{l.index}", (1, l.kv_heads, l.head_dim, cache), "float32") for l in owners]
+    inputs += [TensorSpec(f"v_cache_{l.index}", (1, l.kv_heads, cache, l.head_dim), "float32") for l in owners]
+    outputs = [TensorSpec("logits", (1, ar, vocab), "float32")]
+    outputs += [TensorSpec(f"k_new_{l.index}", (1, l.kv_heads, l.head_dim, ar), "float32") for l in owners]
+    outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]
+    return MethodSpec(name, ar, tuple(inputs), tuple(outputs))

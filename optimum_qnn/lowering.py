@@ -1,0 +1,293 @@
+"""Lower exported graphs to one ExecuTorch program (.pte) whose QNN delegates are HTP context binaries.
+
+Several methods (hybrid mode: `prefill_forward` with ar_len N and `kv_forward` with ar_len 1) are lowered in ONE
+call. ExecuTorch 1.5.1's `QnnBackend.preprocess_multimethod` then compiles the i-th partition of every method
+into one shared HTP context binary, and the serializer stores that binary once in the .pte. With
+`weight_sharing=True` the graphs of that context also share one copy of their weights (the on-device choice).
+
+Measured with the QAIRT 2.49.40 libraries of onnxruntime-qnn 2.5.0 (tiny attention block, two methods):
+- weight sharing on: the context is smaller (weights once) but the x86 HTP emulator cannot load it
+  (`Shared weights buffer isn't supported on this platform`, then a segfault in `load_method`);
+- weight sharing off: one context with two graphs, each holding its own weights; it runs on the emulator.
+So artifacts meant for the emulator (tests, parity checks on x86) pass `weight_sharing=False`.
+
+Example:
+    >>> programs = {"prefill_forward": (block, prefill_inputs), "kv_forward": (block, decode_inputs)}
+    >>> lowered = lower_to_pte(programs, Soc.SM8650, fp16=True, constant_methods={"get_max_seq_len": 64})
+    >>> lowered.write("model.pte"); print(format_delegation(lowered.delegation))
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optimum_qnn.config import Soc
+from optimum_qnn.sdk import ensure_qnn_sdk
+
+if TYPE_CHECKING:  # pragma: no cover
+    from executorch.exir import EdgeProgramManager
+    from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+logger = logging.getLogger(__name__)
+
+QNN_BACKEND_ID = "QnnBackend"
+
+# A method is either an already exported program or a module with its example inputs (exported here with
+# strict=True, as ExecuTorch's Qualcomm flow does).
+MethodSource = "torch.export.ExportedProgram | tuple[torch.nn.Module, tuple[Any, ...]]"
+
+# Every HTP context binary records the target it was compiled for, e.g. `soc_type=SM8650;arch=75;...`.
+_TARGET_RE = re.compile(rb"soc_type=(\w+);arch=(\d+)")
+
+
+def compile_specs(
+    soc: Soc,
+    *,
+    fp16: bool,
+    multiple_graphs: bool = False,
+    weight_sharing: bool | None = None,
+    shared_buffer: bool = False,
+    debug: bool = False,
+) -> list[CompileSpec]:
+    """ExecuTorch compile specs that target the HTP of `soc`.
+
+    Args:
+        soc: the target SoC.
+        fp16: compile a floating-point graph at HTP fp16 precision; False for a PT2E-quantized graph.
+        multiple_graphs: the spec is shared by several methods compiled into one context (hybrid mode).
+        weight_sharing: let the graphs of one context share their weights. Defaults to `multiple_graphs`.
+            The x86 emulator cannot load such a context: pass False for artifacts that run on x86.
+        shared_buffer: graph IO lives in buffers the runner registers with the HTP (RPC memory on a phone);
+            the x86 emulator does not support it.
+        debug: verbose QNN logging during compilation.
+
+    Returns:
+        The compile specs (one `CompileSpec` holding the serialized QNN options).
+    """
+    ensure_qnn_sdk()
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+    )
+
+    if weight_sharing is None:
+        weight_sharing = multiple_graphs
+    if weight_sharing and not multiple_graphs:
+        raise ValueError("weight_sharing=True needs multiple_graphs=True: one graph has nobody to share with")
+    chipset = QcomChipset.__members__.get(soc.name)
+    if chipset is None:
+        raise ValueError(f"SoC {soc.value} is unknown to this executorch; expected one of: {', '.join(QcomChipset.__members__)}")
+    backend_options = generate_htp_compiler_spec(use_fp16=fp16, use_weight_sharing=weight_sharing)
+    return generate_qnn_executorch_compiler_spec(
+        soc_model=chipset, backend_options=backend_options, shared_buffer=shared_buffer, debug=debug
+    )
+
+
+@dataclass(frozen=True)
+class MethodDelegation:
+    """What of one method runs on QNN and what stays on the CPU.
+
+    Args:
+        method: the method name.
+        partitions: number of QNN delegate calls in the method.
+        delegated: number of ops inside the QNN partitions.
+        on_cpu: ops left on the CPU, op name -> count (`getitem` bookkeeping excluded).
+    """
+
+    method: str
+    partitions: int
+    delegated: int
+    on_cpu: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cpu_ops(self) -> int:
+        return sum(self.on_cpu.values())
+
+    @property
+    def fully_delegated(self) -> bool:
+        return self.partitions == 1 and not self.on_cpu
+
+
+@dataclass(frozen=True)
+class LoweredProgram:
+    """A serialized ExecuTorch program plus what lowering found out about it.
+
+    Args:
+        buffer: the .pte bytes.
+        delegation: per method, what was delegated to QNN.
+        weight_sharing: whether the methods' graphs share weights inside their context binaries.
+        soc: the target SoC.
+    """
+
+    buffer: bytes
+    delegation: dict[str, MethodDelegation]
+    weight_sharing: bool
+    soc: Soc
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_bytes(self.buffer)
+        return path
+
+
+def lower_to_pte(
+    programs: Mapping[str, Any],
+    soc: Soc,
+    *,
+    fp16: bool,
+    constant_methods: Mapping[str, Any] | None = None,
+    weight_sharing: bool | None = None,
+    shared_buffer: bool = False,
+) -> LoweredProgram:
+    """Lower one or more methods to QNN and serialize them into one .pte.
+
+    Args:
+        programs: method name -> `ExportedProgram`, or `(module, example_inputs)`. A PT2E graph is passed as
+            its `convert_pt2e` output with example inputs (or re-exported). Every method is re-exported
+            strictly by ExecuTorch's Qualcomm pipeline, which applies its export passes before `to_edge`.
+        soc: the target SoC.
+        fp16: floating-point graphs compiled at HTP fp16; False for quantized (PT2E) graphs.
+        constant_methods: extra methods returning constants (e.g. `{"get_max_seq_len": 1024}`); values are
+            what `torch.export`-less ExecuTorch methods can return: int, float, bool, str, tensors, lists.
+        weight_sharing: share weights between the methods' graphs. Defaults to True when there are several
+            methods (what a phone wants); pass False for artifacts that run on the x86 emulator.
+        shared_buffer: see `compile_specs`; also leaves graph IO unplanned, since the runner provides it.
+
+    Returns:
+        The `LoweredProgram` (bytes + delegation summary).
+
+    Raises:
+        ValueError: no methods, or a method name that clashes with a constant method.
+    """
+    if not programs:
+        raise ValueError("No methods to lower")
+    clash = set(programs) & set(constant_methods or {})
+    if clash:
+        raise ValueError(f"Method names used both as graphs and as constant methods: {sorted(clash)}")
+    multiple = len(programs) > 1
+    if weight_sharing is None:
+        weight_sharing = multiple
+    ensure_qnn_sdk()
+    from executorch.backends.qualcomm._passes.build_quant_io import BuildQuantIo
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
+
+    modules, inputs = {}, {}
+    for name, source in programs.items():
+        modules[name], inputs[name] = _as_module_and_inputs(name, source)
+    # One spec object per method: ExecuTorch groups the methods' partitions into one context by position.
+    specs = {
+        name: compile_specs(soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer)
+        for name in programs
+    }
+    logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
+    edge = to_edge_transform_and_lower_to_qnn(
+        modules, inputs, specs, constant_methods=dict(constant_methods) if constant_methods else None
+    )
+    delegation = delegation_summary(edge)
+    config = ExecutorchBackendConfig(
+        # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
+        passes=[BuildQuantIo()],
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=not shared_buffer, alloc_graph_output=not shared_buffer),
+    )
+    buffer = edge.to_executorch(config).buffer
+    return LoweredProgram(buffer=bytes(buffer), delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+
+
+def _as_module_and_inputs(name: str, source: Any) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    if isinstance(source, torch.export.ExportedProgram):
+        args, kwargs = source.example_inputs or ((), {})
+        if kwargs:
+            raise ValueError(f"Method {name!r}: exported with keyword inputs; QNN methods take positional inputs only")
+        return source.module(), tuple(args)
+    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], torch.nn.Module):
+        return source[0], tuple(source[1])
+    raise TypeError(f"Method {name!r}: expected an ExportedProgram or (module, example_inputs); got {type(source).__name__}")
+
+
+def delegation_summary(edge: EdgeProgramManager) -> dict[str, MethodDelegation]:
+    """Per method of a lowered edge program: QNN partitions, ops inside them, ops left on the CPU."""
+    from executorch.exir.delegate import executorch_call_delegate
+
+    summary = {}
+    for method in edge.methods:
+        graph_module = edge.exported_program(method).graph_module
+        partitions, delegated, on_cpu = 0, 0, Counter()
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            if node.target is executorch_call_delegate:
+                lowered = getattr(graph_module, node.args[0].target)
+                if lowered.backend_id == QNN_BACKEND_ID:
+                    partitions += 1
+                    delegated += sum(
+                        n.op == "call_function" and n.target is not operator.getitem
+                        for n in lowered.original_module.graph.nodes
+                    )
+                    continue
+            on_cpu[_op_name(node.target)] += 1
+        summary[method] = MethodDelegation(method, partitions, delegated, dict(on_cpu))
+    return summary
+
+
+def _op_name(target: Any) -> str:
+    # Edge ops print as `aten.add.Tensor`; plain callables by their qualified name.
+    name = getattr(target, "__name__", None) if not hasattr(target, "_schema") else None
+    return name or str(target)
+
+
+def format_delegation(summary: Mapping[str, MethodDelegation]) -> str:
+    """A small table: method, QNN partitions, ops on QNN, ops on CPU (with their names)."""
+    rows = [("method", "partitions", "on QNN", "on CPU", "CPU ops")]
+    for d in summary.values():
+        cpu = ", ".join(f"{op} x{n}" for op, n in sorted(d.on_cpu.items())) or "-"
+        rows.append((d.method, str(d.partitions), str(d.delegated), str(d.cpu_ops), cpu))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+@dataclass(frozen=True)
+class QnnDelegate:
+    """One QNN delegate call of a .pte, with its HTP context binary.
+
+    Args:
+        method: the method that calls it.
+        index: its position among the method's delegates (execution order).
+        context: the context binary, stripped of ExecuTorch's wrapper.
+        targets: the (SoC, HTP arch) records found in the context binary, e.g. {("SM8650", 75)}.
+    """
+
+    method: str
+    index: int
+    context: bytes
+    targets: frozenset[tuple[str, int]]
+
+
+def read_qnn_delegates(pte: bytes) -> list[QnnDelegate]:
+    """The QNN delegates of a serialized program, for checks and the artifact manifest."""
+    ensure_qnn_sdk()
+    from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(pte).program
+    delegates = []
+    for plan in program.execution_plan:
+        for index, delegate in enumerate(plan.delegates):
+            if delegate.id != QNN_BACKEND_ID:
+                continue
+            payload = program.backend_delegate_data[delegate.processed.index].data
+            context = bytes(PyQnnManagerAdaptor.StripProtocol(payload)) or payload
+            targets = frozenset((soc.decode(), int(arch)) for soc, arch in _TARGET_RE.findall(context))
+            delegates.append(QnnDelegate(plan.name, index, context, targets))
+    return delegates

@@ -1,0 +1,6 @@
+"""Gemma4 text decoders (transformers 5.23.0) as static, QNN-friendly graphs. Importing registers the swaps."""
+
+from optimum_qnn.models.gemma4 import modules  # noqa: F401  (registers the swaps)
+from optimum_qnn.models.gemma4.modeling import StaticCausalLM
+
+__all__ = ["StaticCausalLM"]

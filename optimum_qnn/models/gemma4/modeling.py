@@ -1,0 +1,131 @@
+"""`StaticCausalLM`: a Hugging Face Gemma4 model turned into the static graph of the runner contract."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions
+from optimum_qnn.runner import KVSession
+from optimum_qnn.swap import SWAPS, SwapError, SwapReport, apply_swaps
+
+logger = logging.getLogger(__name__)
+
+
+class StaticCausalLM:
+    """A static Gemma4 causal LM: one module instance serving the decode (ar_len 1) and prefill (ar_len N) methods.
+
+    Example:
+
+    ```python
+    >>> from transformers import Gemma4ForCausalLM
+    >>> from optimum_qnn import StaticCausalLM
+    >>> static = StaticCausalLM.from_hf(hf_model, max_context_len=128, ar_len=16)
+    >>> static.generate(input_ids, max_new_tokens=32)
+    ```
+    """
+
+    def __init__(self, module: StaticGemma4ForCausalLM, contract: RunnerContract, report: SwapReport, text_config):
+        self.module = module
+        self.contract = contract
+        self.report = report
+        self.text_config = text_config
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None) -> "StaticCausalLM":
+        """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
+
+        Args:
+            hf_model: the Hugging Face model; it is not modified, and its parameters are adopted, not copied.
+            max_context_len: C, the static context of every method.
+            ar_len: tokens per prefill call; None or 1 gives a decode-only (``kv``) contract.
+
+        Returns:
+            The static model; ``.contract`` describes the IO of its methods.
+        """
+        text_config = hf_model.config.get_text_config()
+        max_pos = text_config.max_position_embeddings
+        if max_context_len > max_pos:
+            raise ValueError(f"max_context_len {max_context_len} exceeds the model's max_position_embeddings {max_pos}")
+        ar_lens = {DECODE_METHOD: 1}
+        if ar_len is not None and ar_len > 1:
+            ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: 1}
+        module, report = apply_swaps(hf_model, SWAPS, StaticOptions(max_context_len=max_context_len))
+        module.eval()
+        check_adoption(hf_model, module)
+        contract = RunnerContract.build(
+            module.layer_specs,
+            vocab_size=text_config.vocab_size,
+            context_len=max_context_len,
+            ar_lens=ar_lens,
+            sliding_window=text_config.sliding_window if "sliding_attention" in text_config.layer_types else None,
+        )
+        logger.info("Swapped %d modules:\n%s", len(report.swapped), report.table())
+        return cls(module, contract, report, text_config)
+
+    def example_inputs(self, method: str | None = None) -> tuple[torch.Tensor, ...]:
+        """The contract's example inputs for ``method`` (default: the first method, prefill when present)."""
+        return self.contract.example_inputs(method or self.contract.methods[0].name)
+
+    def session(self) -> KVSession:
+        """A KV session that runs this module eagerly, method by method, as a device runner would."""
+
+        @torch.no_grad()
+        def run(inputs):
+            return self.module(*inputs)
+
+        return KVSession(self.contract, {m.name: run for m in self.contract.methods})
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None) -> torch.Tensor:
+        """Greedy generation: prefill in ar_len chunks, then decode one token per call.
+
+        Args:
+            input_ids: ``[1, T]`` or ``[T]`` prompt ids.
+            max_new_tokens: tokens to generate (fewer if an EOS id is produced or the context is full).
+            eos_token_id: stop ids.
+
+        Returns:
+            ``[1, T + n]`` prompt followed by the generated ids.
+        """
+        return greedy_generate(self.session(), input_ids, max_new_tokens, eos_token_id)
+
+
+def greedy_generate(session: KVSession, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    prompt = input_ids.reshape(-1)
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    logits = session.feed(prompt)
+    out = prompt.tolist()
+    for step in range(max_new_tokens):
+        token = int(torch.argmax(logits[-1]))
+        out.append(token)
+        if token in eos or step == max_new_tokens - 1 or session.n_past >= session.capacity:
+            break
+        logits = session.feed(torch.tensor([token]))
+    return torch.tensor(out, dtype=torch.long).unsqueeze(0)
+
+
+def check_adoption(hf_model: nn.Module, static: nn.Module) -> None:
+    """nanoGPT-style strict check: every text-decoder parameter of ``hf_model`` is used by ``static`` as is.
+
+    Parameters outside the text decoder (vision/audio towers of a multimodal model) are not expected.
+    """
+    static_ids = {id(p) for p in static.parameters()}
+    missing = [
+        name
+        for name, p in hf_model.named_parameters()
+        if id(p) not in static_ids and not _outside_text_decoder(name)
+    ]
+    if missing:
+        raise SwapError(f"{len(missing)} Hugging Face parameters were not adopted by the static model: {missing[:8]}")
+    hf_ids = {id(p) for p in hf_model.parameters()}
+    extra = [name for name, p in static.named_parameters() if id(p) not in hf_ids]
+    if extra:
+        raise SwapError(f"The static model has parameters that are not the Hugging Face ones: {extra[:8]}")
+
+
+def _outside_text_decoder(name: str) -> bool:
+    return name.startswith(("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio."))

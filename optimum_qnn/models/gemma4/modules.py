@@ -1,0 +1,352 @@
+"""Static, QNN-friendly twins of the Gemma4 text modules, registered as swaps of the Hugging Face classes.
+
+Mirrors transformers 5.23.0 ``models/gemma4/modeling_gemma4.py`` (Gemma4RMSNorm, Gemma4TextAttention,
+Gemma4TextDecoderLayer, Gemma4TextModel, Gemma4ForCausalLM). Every factory adopts the Hugging Face
+parameters and buffers themselves (same tensor objects); only RoPE gets new, derived tables.
+
+The static graph differs from Hugging Face's in three ways, none of which changes the math:
+- KV caches are explicit inputs; each call returns only the new K/V slice (K transposed, see ops/attention.py);
+- masks are additive inputs (one for full, one for sliding layers), positions are an input;
+- RoPE cos/sin are precomputed tables indexed by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.gemma4 import modeling_gemma4 as hf
+
+from optimum_qnn.contract import AttentionKind, LayerSpec
+from optimum_qnn.errors import UnsupportedModelError
+from optimum_qnn.ops.attention import static_gqa
+from optimum_qnn.ops.rope import apply_rope, gather_rope
+from optimum_qnn.swap import SWAPS, SwapContext
+
+# Classes that are already static-friendly and are kept as they are (coverage test reads this).
+SWAPS.pass_through(hf.Gemma4TextMLP, "gated GELU-tanh MLP: plain Linear layers, already static")
+SWAPS.pass_through(
+    hf.Gemma4TextScaledWordEmbedding, "lookup times a constant; the exporter replaces it with a CPU-side quantized lookup"
+)
+
+# Classes that exist in the Gemma4 text decoder but cannot be exported yet: the factory of the decoder layer
+# refuses a config that uses them, so they never reach the static graph.
+UNSUPPORTED = {
+    hf.Gemma4TextRouter: "Mixture-of-Experts routing (enable_moe_block=True) is not supported yet",
+    hf.Gemma4TextExperts: "Mixture-of-Experts experts (enable_moe_block=True) are not supported yet",
+}
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """Build options handed to the factories through the swap context."""
+
+    max_context_len: int
+
+
+class StaticRMSNorm(nn.Module):
+    """Gemma4RMSNorm as ``aten.rms_norm`` (the HTP has a native RmsNorm op).
+
+    Gemma4 multiplies by the weight itself (not ``1 + w`` as Gemma 1-3) and computes in fp32; a norm without scale
+    (``v_norm``) has no weight.
+    """
+
+    def __init__(self, weight: nn.Parameter | None, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).type_as(x)
+
+
+@SWAPS.register(hf.Gemma4RMSNorm)
+def _swap_rmsnorm(module: hf.Gemma4RMSNorm, ctx: SwapContext) -> StaticRMSNorm:
+    return StaticRMSNorm(module.weight if module.with_scale else None, module.eps)
+
+
+class RopeTables(nn.Module):
+    """cos/sin tables for positions ``[0, max_context_len)``, one pair per layer type.
+
+    Computed by the Hugging Face rotary module itself, so sliding (full RoPE) and full layers ("proportional"
+    partial RoPE, zero-padded frequencies) are reproduced bit for bit.
+    """
+
+    def __init__(self, hf_rotary: hf.Gemma4TextRotaryEmbedding, max_context_len: int):
+        super().__init__()
+        positions = torch.arange(max_context_len).unsqueeze(0)
+        probe = torch.zeros(1, dtype=torch.float32)
+        self.kinds: list[str] = []
+        for layer_type in hf_rotary.layer_types:
+            cos, sin = hf_rotary(probe, positions, layer_type)
+            self.register_buffer(f"{layer_type}_cos", cos[0].contiguous(), persistent=False)
+            self.register_buffer(f"{layer_type}_sin", sin[0].contiguous(), persistent=False)
+            self.kinds.append(layer_type)
+
+    def forward(self, input_pos: torch.Tensor, kind: AttentionKind) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_rope(getattr(self, f"{kind.value}_cos"), getattr(self, f"{kind.value}_sin"), input_pos)
+
+
+@SWAPS.register(hf.Gemma4TextRotaryEmbedding)
+def _swap_rotary(module: hf.Gemma4TextRotaryEmbedding, ctx: SwapContext) -> RopeTables:
+    return RopeTables(module, ctx.options.max_context_len)
+
+
+class StaticGemma4Attention(nn.Module):
+    """Gemma4TextAttention over explicit caches.
+
+    A cache-owning layer projects K/V for the current tokens, appends them to its cache inputs and returns the
+    new slice. A KV-reusing layer (KV sharing) has no K/V weights and attends to the full K/V of the layer it
+    reuses. Which of the two a layer is gets decided when it is built.
+    """
+
+    def __init__(self, attn: hf.Gemma4TextAttention, ctx: SwapContext):
+        super().__init__()
+        cfg = attn.config
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_attention_heads // attn.num_key_value_groups
+        self.scaling = attn.scaling
+        self.reuses_kv = attn.is_kv_shared_layer
+        self.q_proj = attn.q_proj
+        self.q_norm = ctx.swap(attn.q_norm, "q_norm")
+        self.o_proj = attn.o_proj
+        if not self.reuses_kv:
+            self.k_proj = attn.k_proj
+            # attention_k_eq_v: full layers have no v_proj and take V from the raw key projection.
+            self.v_proj = attn.v_proj
+            self.k_norm = ctx.swap(attn.k_norm, "k_norm")
+            self.v_norm = ctx.swap(attn.v_norm, "v_norm")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        k_in: torch.Tensor,
+        v_in: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns (output, K over all C columns, V over all C columns, new K slice, new V slice).
+
+        ``k_in``/``v_in`` are this layer's caches (``[1, kv, hd, C-ar]`` / ``[1, kv, C-ar, hd]``) when it owns one,
+        or the full K/V (``[1, kv, hd, C]`` / ``[1, kv, C, hd]``) of the layer it reuses.
+        """
+        ar = x.shape[1]
+        q = self.q_proj(x).view(1, ar, self.num_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        if self.reuses_kv:
+            k_full, v_full, k_new, v_new = k_in, v_in, None, None
+        else:
+            k = self.k_proj(x).view(1, ar, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(1, ar, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k
+            k = apply_rope(self.k_norm(k), cos, sin)
+            v = self.v_norm(v)
+            # K is kept transposed ([.., head_dim, T]) so Q @ K needs no transpose of the whole cache.
+            k_new = k.permute(0, 2, 3, 1)
+            v_new = v.transpose(1, 2)
+            k_full = torch.cat([k_in, k_new], dim=-1)
+            v_full = torch.cat([v_in, v_new], dim=-2)
+        out = static_gqa(q, k_full, v_full, mask, self.scaling)
+        return self.o_proj(out), k_full, v_full, k_new, v_new
+
+
+@SWAPS.register(hf.Gemma4TextAttention)
+def _swap_attention(module: hf.Gemma4TextAttention, ctx: SwapContext) -> StaticGemma4Attention:
+    return StaticGemma4Attention(module, ctx)
+
+
+class StaticGemma4DecoderLayer(nn.Module):
+    """Gemma4TextDecoderLayer: attention, MLP, the per-layer-embedding gate and ``layer_scalar``."""
+
+    def __init__(self, layer: hf.Gemma4TextDecoderLayer, ctx: SwapContext):
+        super().__init__()
+        if layer.enable_moe_block:
+            raise UnsupportedModelError(
+                f"Gemma4 layer {layer.layer_idx} uses a Mixture-of-Experts block (enable_moe_block=True), "
+                "which optimum-qnn does not support yet. Export a dense Gemma4 model (e.g. gemma-4-e2b, gemma-4-e4b)."
+            )
+        self.attention = AttentionKind(layer.self_attn.layer_type)
+        self.self_attn = ctx.swap(layer.self_attn, "self_attn")
+        self.mlp = ctx.swap(layer.mlp, "mlp")
+        self.input_layernorm = ctx.swap(layer.input_layernorm, "input_layernorm")
+        self.post_attention_layernorm = ctx.swap(layer.post_attention_layernorm, "post_attention_layernorm")
+        self.pre_feedforward_layernorm = ctx.swap(layer.pre_feedforward_layernorm, "pre_feedforward_layernorm")
+        self.post_feedforward_layernorm = ctx.swap(layer.post_feedforward_layernorm, "post_feedforward_layernorm")
+        self.register_buffer("layer_scalar", layer.layer_scalar)
+        self.has_per_layer_input = bool(layer.hidden_size_per_layer_input)
+        if self.has_per_layer_input:
+            self.act_fn = layer.act_fn
+            self.per_layer_input_gate = layer.per_layer_input_gate
+            self.per_layer_projection = layer.per_layer_projection
+            self.post_per_layer_input_norm = ctx.swap(layer.post_per_layer_input_norm, "post_per_layer_input_norm")
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        k_in: torch.Tensor,
+        v_in: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        attn, k_full, v_full, k_new, v_new = self.self_attn(self.input_layernorm(h), cos, sin, mask, k_in, v_in)
+        h = h + self.post_attention_layernorm(attn)
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        if self.has_per_layer_input:
+            gate = self.act_fn(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return h * self.layer_scalar, k_full, v_full, k_new, v_new
+
+
+@SWAPS.register(hf.Gemma4TextDecoderLayer)
+def _swap_layer(module: hf.Gemma4TextDecoderLayer, ctx: SwapContext) -> StaticGemma4DecoderLayer:
+    return StaticGemma4DecoderLayer(module, ctx)
+
+
+class StaticGemma4TextModel(nn.Module):
+    """Gemma4TextModel over the runner contract's inputs; returns final hidden states and the new K/V slices."""
+
+    def __init__(self, model: hf.Gemma4TextModel, ctx: SwapContext):
+        super().__init__()
+        cfg = model.config
+        if getattr(cfg, "use_bidirectional_attention", None) == "all":
+            raise UnsupportedModelError(
+                "Gemma4 configs with use_bidirectional_attention='all' are encoders, not causal decoders; "
+                "optimum-qnn exports causal text generation only."
+            )
+        self.layer_specs = gemma4_layer_specs(cfg)
+        self.embed_tokens = ctx.swap(model.embed_tokens, "embed_tokens")
+        self.layers = nn.ModuleList([ctx.swap(layer, f"layers.{i}") for i, layer in enumerate(model.layers)])
+        self.norm = ctx.swap(model.norm, "norm")
+        self.rope = ctx.swap(model.rotary_emb, "rotary_emb")
+        self.num_layers = cfg.num_hidden_layers
+        self.ple_dim = model.hidden_size_per_layer_input
+        if self.ple_dim:
+            self.embed_tokens_per_layer = ctx.swap(model.embed_tokens_per_layer, "embed_tokens_per_layer")
+            self.per_layer_model_projection = model.per_layer_model_projection
+            self.per_layer_projection_norm = ctx.swap(model.per_layer_projection_norm, "per_layer_projection_norm")
+            self.per_layer_model_projection_scale = model.per_layer_model_projection_scale
+            self.per_layer_input_scale = model.per_layer_input_scale
+
+    def per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The PLE signal ``[1, ar, layers, ple_dim]``: token lookup plus normalised projection, times 2**-0.5."""
+        ar = tokens.shape[1]
+        lookup = self.embed_tokens_per_layer(tokens).view(1, ar, self.num_layers, self.ple_dim)
+        proj = self.per_layer_model_projection(embeds) * self.per_layer_model_projection_scale
+        proj = self.per_layer_projection_norm(proj.view(1, ar, self.num_layers, self.ple_dim))
+        return (proj + lookup) * self.per_layer_input_scale
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        atten_mask: torch.Tensor,
+        sliding_atten_mask: torch.Tensor,
+        input_pos: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        h = self.embed_tokens(tokens)
+        ple = self.per_layer_inputs(tokens, h) if self.ple_dim else None
+        rope = {kind: self.rope(input_pos, kind) for kind in {spec.attention for spec in self.layer_specs}}
+        masks = {AttentionKind.FULL: atten_mask, AttentionKind.SLIDING: sliding_atten_mask}
+        full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        k_out: list[torch.Tensor] = []
+        v_out: list[torch.Tensor] = []
+        for spec, layer in zip(self.layer_specs, self.layers):
+            if spec.owns_cache:
+                k_in, v_in = k_caches[spec.cache_index], v_caches[spec.cache_index]
+            else:
+                k_in, v_in = full_kv[spec.kv_source]
+            cos, sin = rope[spec.attention]
+            per_layer = ple[:, :, spec.index, :] if ple is not None else None
+            h, k_full, v_full, k_new, v_new = layer(h, per_layer, cos, sin, masks[spec.attention], k_in, v_in)
+            if spec.owns_cache:
+                full_kv[spec.index] = (k_full, v_full)
+                k_out.append(k_new)
+                v_out.append(v_new)
+        return self.norm(h), k_out, v_out
+
+
+@SWAPS.register(hf.Gemma4TextModel)
+def _swap_text_model(module: hf.Gemma4TextModel, ctx: SwapContext) -> StaticGemma4TextModel:
+    return StaticGemma4TextModel(module, ctx)
+
+
+class StaticGemma4ForCausalLM(nn.Module):
+    """The exported graph: ``forward(tokens, atten_mask, sliding_atten_mask, input_pos, *k_caches, *v_caches)``
+    returns ``(logits, *k_new, *v_new)`` in the order of the runner contract."""
+
+    def __init__(self, model: nn.Module, lm_head: nn.Linear, final_logit_softcapping: float | None, ctx: SwapContext):
+        super().__init__()
+        self.model = ctx.swap(model, "model")
+        # Tied to embed_tokens.weight in every Gemma4 checkpoint: adopting the module keeps the tie.
+        self.lm_head = lm_head
+        self.final_logit_softcapping = final_logit_softcapping
+        self.num_caches = sum(spec.owns_cache for spec in self.model.layer_specs)
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return self.model.layer_specs
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        atten_mask: torch.Tensor,
+        sliding_atten_mask: torch.Tensor,
+        input_pos: torch.Tensor,
+        *caches: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        n = self.num_caches
+        h, k_new, v_new = self.model(
+            tokens, atten_mask, sliding_atten_mask, input_pos, list(caches[:n]), list(caches[n:])
+        )
+        logits = self.lm_head(h)
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return (logits, *k_new, *v_new)
+
+
+@SWAPS.register(hf.Gemma4ForCausalLM)
+def _swap_causal_lm(module: hf.Gemma4ForCausalLM, ctx: SwapContext) -> StaticGemma4ForCausalLM:
+    return StaticGemma4ForCausalLM(module.model, module.lm_head, module.config.final_logit_softcapping, ctx)
+
+
+@SWAPS.register(hf.Gemma4ForConditionalGeneration)
+def _swap_multimodal(module: hf.Gemma4ForConditionalGeneration, ctx: SwapContext) -> StaticGemma4ForCausalLM:
+    # Only the text decoder is exported; the vision and audio towers are left out of the static graph.
+    text_cfg = module.config.get_text_config()
+    return StaticGemma4ForCausalLM(module.model.language_model, module.lm_head, text_cfg.final_logit_softcapping, ctx)
+
+
+def gemma4_layer_specs(cfg) -> tuple[LayerSpec, ...]:
+    """Per-layer attention kind, head_dim, KV heads and KV source, read from a Gemma4TextConfig.
+
+    A KV-reusing layer (``kv_sharing_modes[i] == "reuse"``) attends to the K/V of the last earlier layer of its
+    type that stores them (mode ``"store"``), exactly as ``shared_kv_states`` does in transformers.
+    """
+    modes = cfg.kv_sharing_modes
+    specs: list[LayerSpec] = []
+    store_of: dict[str, int] = {}
+    cache_index = 0
+    for i, layer_type in enumerate(cfg.layer_types):
+        try:
+            kind = AttentionKind(layer_type)
+        except ValueError:
+            raise UnsupportedModelError(
+                f"Gemma4 layer {i} has attention type {layer_type!r}; expected one of: "
+                + ", ".join(k.value for k in AttentionKind)
+            ) from None
+        layer_cfg = cfg.per_layer_config[i]
+        if modes[i] == "reuse":
+            specs.append(LayerSpec(i, kind, layer_cfg.head_dim, layer_cfg.num_key_value_heads, store_of[layer_type], None))
+            continue
+        if modes[i] == "store":
+            store_of[layer_type] = i
+        specs.append(LayerSpec(i, kind, layer_cfg.head_dim, layer_cfg.num_key_value_heads, i, cache_index))
+        cache_index += 1
+    return tuple(specs)

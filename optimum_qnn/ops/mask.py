@@ -1,0 +1,72 @@
+"""Additive attention masks for the static graph (pure tensor math, no model knowledge).
+
+The static graph attends over C = context_len columns: the first C - ar_len columns are cache slots
+(slot j holds position j), the last ar_len columns are the tokens of the current call, whose K/V are
+appended inside the graph. A mask value of 0 means "attend", MASK_MIN means "masked".
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Large enough that exp(MASK_MIN) vanishes next to any attended score, small enough to stay finite in fp16
+# and to quantize exactly at 16 bits (0 -> 65535, MASK_MIN -> 0 with scale 255/65535): the same value
+# ExecuTorch's Qualcomm LLM flow uses, so its runners can be reused.
+MASK_MIN = -255.0
+
+
+def attention_mask(
+    ar_len: int,
+    context_len: int,
+    n_past: int,
+    *,
+    window: int | None = None,
+    n_valid: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Build the additive mask of one call.
+
+    Row i is the token at position ``n_past + i``. Cache column j (< C - ar_len) holds position j and is open
+    when ``j < n_past`` (and, with a window, when ``n_past + i - j < window``). Column ``C - ar_len + c`` is the
+    current call's token c and is open when ``c <= i`` (and ``i - c < window``).
+
+    Example: ar_len=2, context_len=6, n_past=2, window=None (``x`` attend, ``.`` masked)::
+
+                cache slots   | new
+        row 0:  x  x  .  .    | x  .
+        row 1:  x  x  .  .    | x  x
+
+    With window=2 the oldest visible cache slot slides right::
+
+        row 0:  .  x  .  .    | x  .
+        row 1:  .  .  .  .    | x  x
+
+    Args:
+        ar_len: tokens per call.
+        context_len: C, cache slots plus ar_len.
+        n_past: tokens already in the cache (slots ``[0, n_past)``).
+        window: sliding-window size (a token sees itself and the ``window - 1`` tokens before it), or None.
+        n_valid: rows beyond this count are padding; their columns are kept closed for the real rows
+            (padding only follows real tokens, so causality already guarantees that).
+        dtype: floating dtype of the result.
+
+    Returns:
+        A ``[1, 1, ar_len, context_len]`` tensor of 0 / MASK_MIN.
+    """
+    cache_len = context_len - ar_len
+    if n_past < 0 or n_past > cache_len:
+        raise ValueError(f"n_past={n_past} is outside the cache of {cache_len} slots")
+    rows = torch.arange(ar_len).unsqueeze(1)  # i
+    slots = torch.arange(cache_len).unsqueeze(0)  # j
+    cols = torch.arange(ar_len).unsqueeze(0)  # c
+    open_cache = slots < n_past
+    open_new = cols <= rows
+    if window is not None:
+        open_cache = open_cache & ((n_past + rows - slots) < window)
+        open_new = open_new & ((rows - cols) < window)
+    if n_valid is not None:
+        open_new = open_new & (cols < n_valid)
+    allowed = torch.cat([open_cache.expand(ar_len, cache_len), open_new], dim=1)
+    mask = torch.full((ar_len, context_len), MASK_MIN, dtype=dtype)
+    mask.masked_fill_(allowed, 0.0)
+    return mask.view(1, 1, ar_len, context_len)

@@ -1,0 +1,584 @@
+"""Post-training quantization of the HTP graphs, and the CPU-side weight-only quantized embedding lookups.
+
+The HTP part of a graph is quantized with PT2E (`torchao.quantization.pt2e`) annotated by ExecuTorch's
+`QnnQuantizer`, driven by a `QuantRecipe` (executorch.backends.qualcomm.quantizer.quant_recipe): activations
+per-tensor with MinMax observers, weights of linear/conv per-channel or, for `16a4w_block`, per-block (LPBQ).
+Per-module overrides keep chosen layers at another scheme.
+
+Hybrid exports lower two graphs (prefill, ar_len N; decode, ar_len 1) traced from one module. They must share
+every quantization parameter: :func:`quantize_shared` calibrates one prepared graph and copies its observer
+state into the other prepared graphs before converting them all (exact: the converted graphs hold identical
+scales, zero points and quantized weights).
+
+Embedding tables never enter the HTP graph: :class:`QuantizedEmbedding` calls ExecuTorch's
+`quantized_decomposed::embedding_{4bit,byte}.dtype` ops, which the QNN partitioner leaves on the CPU where
+`executorch.kernels.quantized` runs them. The quantizer never annotates an embedding lookup, so its float
+output enters the HTP graph through a quantize node.
+
+Example:
+    >>> quantizer = make_quantizer(QuantScheme.A16W4_BLOCK, block_size=64, overrides={r"^lm_head$": "16a8w"})
+    >>> converted = quantize(exported_program, calibrate=run_batches, quantizer=quantizer)
+    >>> print(format_quant_summary(quant_summary(converted)))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from optimum_qnn.config import EmbeddingQuant, QuantScheme, Soc
+
+logger = logging.getLogger(__name__)
+
+# Ops whose weight gets per-channel / per-block quantization (all others: per-tensor activations only).
+_LINEAR = torch.ops.aten.linear.default
+_CONV2D = torch.ops.aten.conv2d.default
+_CONV1D = torch.ops.aten.conv1d.default
+WEIGHT_OPS = frozenset({_LINEAR, _CONV1D, _CONV2D})
+# Block quantization shapes (1, block, 1...) per op: the block runs along the input channels (dim 1).
+_BLOCK_RANK = {_LINEAR: 2, _CONV2D: 4}
+# Lookups the quantizer must never annotate: embedding tables stay on the CPU (see QuantizedEmbedding).
+CPU_OPS = frozenset({torch.ops.aten.embedding.default})
+
+_ANNOTATION_KEY = "quantization_annotation"  # torchao.quantization.pt2e.quantizer.Q_ANNOTATION_KEY
+
+
+def _quant_dtype(scheme: QuantScheme):
+    from executorch.backends.qualcomm.quantizer.quantizer import QuantDtype
+
+    table = {
+        QuantScheme.A16W16: QuantDtype.use_16a16w,
+        QuantScheme.A16W8: QuantDtype.use_16a8w,
+        QuantScheme.A16W4: QuantDtype.use_16a4w,
+        QuantScheme.A16W4_BLOCK: QuantDtype.use_16a4w_block,
+        QuantScheme.A8W8: QuantDtype.use_8a8w,
+    }
+    if scheme not in table:
+        quantized = ", ".join(s.value for s in table)
+        raise ValueError(f"Quant scheme {scheme.value!r} is not a PT2E scheme; expected one of: {quantized}")
+    return table[scheme]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantizer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """Fully qualified name of the innermost module a node was traced in (`""` for the root)."""
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _make_rule_class():
+    # QuantizationStrategy imports executorch's Qualcomm quantizer, which needs QNN_SDK_ROOT: build lazily.
+    from executorch.backends.qualcomm.quantizer.quant_recipe import QuantizationStrategy
+
+    class _Rule(QuantizationStrategy):
+        """Match by op target AND (optionally) by a regex searched in the node's module path.
+
+        ExecuTorch's `ByNameRegex` matches every op of a module, which breaks per-channel rules on modules that
+        also hold element-wise ops (`layers.0.` would hand a per-channel config to an `add`).
+        """
+
+        def __init__(self, *, targets, pattern, **kwargs):
+            super().__init__(**kwargs)
+            self.targets = targets
+            self.pattern = re.compile(pattern) if pattern is not None else None
+
+        def _matches(self, node: torch.fx.Node) -> bool:
+            if node.op != "call_function" or node.target not in self.targets:
+                return False
+            return self.pattern is None or bool(self.pattern.search(_module_path(node)))
+
+    return _Rule
+
+
+def _scheme_rules(rule_cls, scheme: QuantScheme, block_size: int, supported_ops, pattern, priority, note):
+    """The rules of one scheme: weights of linear/conv (per-channel or per-block) then every other op."""
+    from executorch.backends.qualcomm.quantizer.quant_recipe import QuantGranularity
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    common = dict(
+        quant_dtype=_quant_dtype(scheme),
+        is_qat=False,
+        act_observer=MinMaxObserver,
+        act_symmetric=False,
+        note=note,
+        priority=priority,
+    )
+    rules = []
+    weight_ops = WEIGHT_OPS & supported_ops
+    if scheme is QuantScheme.A16W4_BLOCK:
+        # One rule (hence one observer constructor) per op: the annotator writes the block size into the
+        # shared observer constructor, so linear (2-D) and conv2d (4-D) weights cannot share a rule.
+        for op, rank in _BLOCK_RANK.items():
+            block = (1, block_size) + (1,) * (rank - 2)
+            rules.append(
+                rule_cls(
+                    targets={op},
+                    pattern=pattern,
+                    granularity=QuantGranularity.PER_BLOCK,
+                    extra_kwargs={"block_size": block},
+                    **common,
+                )
+            )
+        weight_ops = weight_ops - set(_BLOCK_RANK)
+    if weight_ops:
+        rules.append(
+            rule_cls(
+                targets=weight_ops, pattern=pattern, granularity=QuantGranularity.PER_CHANNEL, extra_kwargs={}, **common
+            )
+        )
+    rules.append(
+        rule_cls(
+            targets=supported_ops - WEIGHT_OPS,
+            pattern=pattern,
+            granularity=QuantGranularity.PER_TENSOR,
+            extra_kwargs={},
+            **common,
+        )
+    )
+    return rules
+
+
+def make_quantizer(
+    scheme: QuantScheme | str,
+    *,
+    block_size: int = 64,
+    overrides: Mapping[str, QuantScheme | str] | None = None,
+    soc: Soc | str = Soc.SM8650,
+):
+    """Build ExecuTorch's `QnnQuantizer` for a quant scheme, with per-module overrides.
+
+    Activations are per-tensor (uint16, or uint8 for `8a8w`) with MinMax observers: the default moving-average
+    observers let empty KV caches dominate the statistics. Linear/conv weights are symmetric per-channel at the
+    scheme's width; `16a4w_block` quantizes linear and conv2d weights to 4 bits per block of `block_size` input
+    channels (LPBQ) and any other conv per-channel. Embedding lookups are never annotated (they run on the CPU).
+
+    Args:
+        scheme: a quantized `QuantScheme` (not `fp16`, which needs no quantizer).
+        block_size: input channels per block for `16a4w_block` (also used by a `16a4w_block` override).
+        overrides: module-path regex -> scheme, e.g. `{r"^lm_head$": "16a8w", r"layers\\.0\\.": "16a16w"}`. A
+            regex is searched (`re.search`) in the fully qualified name of the module an op was traced in; the
+            first matching entry wins, and an override beats the scheme.
+        soc: target SoC (the quantizer validates ops against it; LPBQ needs HTP v69 or newer).
+
+    Returns:
+        The configured `QnnQuantizer`, for `quantize` / `quantize_shared`.
+
+    Raises:
+        ValueError: for `fp16`, an unknown scheme, or a block size that is not positive.
+
+    Example:
+        >>> quantizer = make_quantizer("16a4w_block", block_size=32, overrides={"lm_head": "16a8w"})
+    """
+    from executorch.backends.qualcomm.quantizer.quant_recipe import QuantGranularity, QuantRecipe
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from torchao.quantization.pt2e import MinMaxObserver
+
+    scheme = QuantScheme.parse(scheme)
+    soc = Soc.parse(soc)
+    if block_size <= 0:
+        raise ValueError(f"Block size must be positive; got {block_size}")
+    overrides = {pattern: QuantScheme.parse(value) for pattern, value in (overrides or {}).items()}
+    for pattern in overrides:
+        re.compile(pattern)  # fail here, not in the middle of annotation
+
+    quantizer = QnnQuantizer(soc_model=getattr(QcomChipset, soc.name))
+    supported = frozenset(quantizer.get_supported_ops()) - CPU_OPS
+    rule_cls = _make_rule_class()
+    recipe = QuantRecipe(
+        _quant_dtype(scheme), False, act_observer=MinMaxObserver, granularity=QuantGranularity.PER_TENSOR
+    )
+    # QuantRecipe tries higher priorities first: the first override gets the highest one.
+    for rank, (pattern, override) in enumerate(overrides.items()):
+        priority = 2 + len(overrides) - rank
+        recipe._strategies += _scheme_rules(
+            rule_cls, override, block_size, supported, pattern, priority, f"override {pattern!r}: {override.value}"
+        )
+    recipe._strategies += _scheme_rules(rule_cls, scheme, block_size, supported, None, 1, scheme.value)
+    quantizer.set_recipe(recipe)
+    # set_recipe makes every supported op a target of the fallback rule; embeddings must stay unannotated.
+    recipe.initialize_default_strategy_ops(supported)
+    return quantizer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prepare / calibrate / convert
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _as_graph_module(program) -> torch.fx.GraphModule:
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.module()
+    if isinstance(program, torch.fx.GraphModule):
+        return program
+    raise TypeError(f"Expected a torch.export.ExportedProgram or torch.fx.GraphModule; got {type(program).__name__}")
+
+
+def _observers(prepared: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, nn.Module]]:
+    """(node, observer module) of every observer call, in graph order."""
+    from torchao.quantization.pt2e import ObserverOrFakeQuantize
+
+    found = []
+    for node in prepared.graph.nodes:
+        if node.op == "call_module":
+            module = prepared.get_submodule(node.target)
+            if isinstance(module, ObserverOrFakeQuantize):
+                found.append((node, module))
+    return found
+
+
+def _check_calibrated(prepared: torch.fx.GraphModule, what: str) -> None:
+    for node, observer in _observers(prepared):
+        min_val = getattr(observer, "min_val", None)
+        if isinstance(min_val, torch.Tensor) and min_val.numel() == 1 and torch.isinf(min_val).item():
+            raise RuntimeError(
+                f"{what}: observer {node.target} (after {node.args[0]}) saw no data; the calibration callback "
+                "must run the prepared module on at least one batch"
+            )
+
+
+def prepare(program, quantizer) -> torch.fx.GraphModule:
+    """Annotate and insert observers (`prepare_pt2e`) into an exported program or its `.module()`."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    return prepare_pt2e(_as_graph_module(program), quantizer)
+
+
+def quantize(
+    program: torch.export.ExportedProgram | torch.fx.GraphModule,
+    calibrate: Callable[[nn.Module], None],
+    quantizer,
+) -> torch.fx.GraphModule:
+    """Prepare, calibrate and convert one graph.
+
+    Args:
+        program: the exported program (or its `.module()`) of one method.
+        calibrate: runs the prepared module on calibration batches (and shows the progress bar); called once.
+        quantizer: from :func:`make_quantizer`.
+
+    Returns:
+        The converted (fake-quant, Q/DQ) graph module, ready for lowering.
+
+    Raises:
+        RuntimeError: when calibration left an activation observer without data.
+    """
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    prepared = prepare(program, quantizer)
+    with torch.no_grad():
+        calibrate(prepared)
+    _check_calibrated(prepared, "quantize")
+    return convert_pt2e(prepared)
+
+
+def _observer_key(node: torch.fx.Node, observer: nn.Module) -> tuple[str, str]:
+    observed = node.args[0]
+    return (observed.name if isinstance(observed, torch.fx.Node) else repr(observed), type(observer).__name__)
+
+
+def copy_observer_state(source: torch.fx.GraphModule, target: torch.fx.GraphModule) -> int:
+    """Copy every observer's statistics from one prepared graph to another of the same topology.
+
+    The two graphs are traced from the same module with different static shapes (prefill / decode): observers
+    pair up in graph order and must observe nodes of the same name. Buffers (`min_val`, `max_val`, ...) and the
+    plain attributes some observers keep instead (ExecuTorch's per-block weight observer) are copied;
+    references to graph nodes (ExecuTorch's concat observer) are not.
+
+    Returns:
+        The number of observers copied.
+
+    Raises:
+        ValueError: when the graphs' observers do not pair up (naming the first mismatch).
+    """
+    pairs_src, pairs_dst = _observers(source), _observers(target)
+    keys_src = [_observer_key(n, o) for n, o in pairs_src]
+    keys_dst = [_observer_key(n, o) for n, o in pairs_dst]
+    if keys_src != keys_dst:
+        first = next((i for i, (a, b) in enumerate(zip(keys_src, keys_dst)) if a != b), min(len(keys_src), len(keys_dst)))
+        a = keys_src[first] if first < len(keys_src) else "<none>"
+        b = keys_dst[first] if first < len(keys_dst) else "<none>"
+        raise ValueError(
+            f"Cannot share quantization parameters: the graphs differ at observer #{first} ({a} vs {b}); "
+            f"{len(keys_src)} vs {len(keys_dst)} observers. Both graphs must be traced from the same module code."
+        )
+    for (_, src), (_, dst) in zip(pairs_src, pairs_dst):
+        for name, buffer in src.named_buffers(recurse=False):
+            setattr(dst, name, buffer.detach().clone())
+        for name, value in vars(src).items():
+            if name.startswith("_") or name in src._buffers:
+                continue
+            if isinstance(value, torch.Tensor):
+                setattr(dst, name, value.detach().clone())
+            elif isinstance(value, (bool, torch.dtype)):
+                setattr(dst, name, value)
+    return len(pairs_src)
+
+
+def quantize_shared(
+    programs: Mapping[str, torch.export.ExportedProgram | torch.fx.GraphModule],
+    calibrate: Callable[[nn.Module], None],
+    quantizer,
+    *,
+    calibrate_on: str,
+) -> dict[str, torch.fx.GraphModule]:
+    """Quantize several graphs of one module (hybrid prefill + decode) with identical quantization parameters.
+
+    All graphs are prepared; only `programs[calibrate_on]` is calibrated; its observer statistics are copied
+    into the other prepared graphs (:func:`copy_observer_state`); then all are converted. Every activation
+    scale / zero point and every quantized weight is therefore the same in all graphs, so the scales found
+    serve both methods. ExecuTorch's Qualcomm LLM flow reaches the same end differently: it converts each graph
+    and then overwrites the Q/DQ arguments and weights of one converted graph with the other's
+    (`HybridTextDecoder._encoding_override` in examples/qualcomm/oss_scripts/llama/wrappers/llm_wrappers.py).
+
+    Calibrate on the graph whose inputs cover the ranges of both (ExecuTorch calibrates an ar_len = N graph
+    with a KV cache, which is also N times faster per token than the decode graph).
+
+    Args:
+        programs: method name -> exported program (or `.module()`), e.g. `{"prefill": ep_n, "decode": ep_1}`.
+        calibrate: runs the prepared module of `calibrate_on` on calibration batches.
+        quantizer: from :func:`make_quantizer`.
+        calibrate_on: the key of the graph to calibrate.
+
+    Returns:
+        Method name -> converted graph module, in the order of `programs`.
+
+    Raises:
+        ValueError: for an unknown `calibrate_on`, or graphs whose observers do not pair up.
+    """
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    if calibrate_on not in programs:
+        raise ValueError(f"Unknown graph {calibrate_on!r} to calibrate on; expected one of: {', '.join(programs)}")
+    prepared = {name: prepare(program, quantizer) for name, program in programs.items()}
+    with torch.no_grad():
+        calibrate(prepared[calibrate_on])
+    _check_calibrated(prepared[calibrate_on], f"quantize_shared({calibrate_on!r})")
+    for name, graph in prepared.items():
+        if name != calibrate_on:
+            count = copy_observer_state(prepared[calibrate_on], graph)
+            logger.info("Copied %d observers from %s to %s", count, calibrate_on, name)
+    return {name: convert_pt2e(graph) for name, graph in prepared.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantRow:
+    """How the ops of one module were quantized (one row of the summary table).
+
+    Args:
+        module: fully qualified module path (`layers.*` when layers are collapsed; `""` is the root).
+        op: op name, e.g. `linear`.
+        activation: output activation dtype, e.g. `uint16`; `shared` when it reuses its input's encoding.
+        weight: e.g. `int4 block 64`, `int8 per-channel`; `""` for ops without a weight.
+        count: how many ops the row stands for.
+    """
+
+    module: str
+    op: str
+    activation: str
+    weight: str
+    count: int = 1
+
+
+def _spec_dtype(spec) -> str:
+    from torchao.quantization.pt2e.quantizer import QuantizationSpec
+
+    if not isinstance(spec, QuantizationSpec):
+        return "shared"
+    info = torch.iinfo(spec.dtype)
+    lo = info.min if spec.quant_min is None else spec.quant_min
+    hi = info.max if spec.quant_max is None else spec.quant_max
+    bits = math.ceil(math.log2(hi - lo + 1))
+    return f"{'u' if lo >= 0 else ''}int{bits}"
+
+
+def _weight_desc(spec) -> str:
+    from torchao.quantization.pt2e.quantizer import QuantizationSpec
+
+    if not isinstance(spec, QuantizationSpec):
+        return "shared"
+    dtype = _spec_dtype(spec)
+    keywords = getattr(getattr(spec.observer_or_fake_quant_ctr, "p", None), "keywords", {}) or {}
+    if keywords.get("block_size") is not None:
+        return f"{dtype} block {keywords['block_size'][1]}"
+    if spec.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine):
+        return f"{dtype} per-channel"
+    return f"{dtype} per-tensor"
+
+
+def quant_summary(graph: torch.fx.GraphModule, *, collapse_layers: bool = True) -> list[QuantRow]:
+    """Rows saying which precision each annotated op got, read from the PT2E annotations.
+
+    Works on a prepared or converted graph module (annotations survive `convert_pt2e`).
+
+    Args:
+        graph: the prepared or converted graph module.
+        collapse_layers: write `layers.<n>` as `layers.*` so repeated layers share rows.
+
+    Returns:
+        Rows in graph order, identical rows merged (their `count` summed).
+    """
+    merged: dict[tuple[str, str, str, str], int] = {}
+    for node in graph.graph.nodes:
+        annotation = node.meta.get(_ANNOTATION_KEY)
+        if node.op != "call_function" or annotation is None:
+            continue
+        module = _module_path(node)
+        if collapse_layers:
+            module = re.sub(r"(^|\.)layers\.\d+(?=\.|$)", r"\1layers.*", module)
+        op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        weight = ""
+        if node.target in WEIGHT_OPS and len(node.args) > 1 and node.args[1] in annotation.input_qspec_map:
+            weight = _weight_desc(annotation.input_qspec_map[node.args[1]])
+        if annotation.output_qspec is not None:
+            activation = _spec_dtype(annotation.output_qspec)
+        else:
+            activation = "-"
+        key = (module, op, activation, weight)
+        merged[key] = merged.get(key, 0) + 1
+    return [QuantRow(*key, count=count) for key, count in merged.items()]
+
+
+def format_quant_summary(rows: list[QuantRow]) -> str:
+    """A plain-text table of :func:`quant_summary` rows."""
+    header = ("module", "op", "activation", "weight", "count")
+    table = [header] + [(r.module or "<root>", r.op, r.activation, r.weight or "-", str(r.count)) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU-side embedding lookups
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _register_quantized_embedding_ops() -> None:
+    # Defines quantized_decomposed::embedding_{byte,4bit}{,.dtype,.out,.dtype_out} with Python reference
+    # kernels, which torch.export needs to trace QuantizedEmbedding (torchao does not define these).
+    import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401
+
+
+_ROW_CHUNK_ELEMENTS = 1 << 24  # rows are quantized in chunks of about 16 M values (64 MB in fp32)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding lookup for the CPU side of the graph: weight-only quantized (4-bit or 8-bit) or float.
+
+    Quantization is asymmetric per group of `group_size` columns (`group_size=0`: per row), with scales and
+    zero points in `scale_dtype`. The forward calls `quantized_decomposed::embedding_4bit.dtype` (two 4-bit
+    values per byte, the layout ExecuTorch's kernel unpacks) or `embedding_byte.dtype`; the QNN partitioner
+    does not take either, so they run on the CPU (import `executorch.kernels.quantized` before loading the .pte).
+    The float variant (`bits=0`) is a plain `aten.embedding`, which `make_quantizer` never annotates; keep it
+    off the HTP when lowering (skip op `aten.embedding.default`).
+
+    The table is quantized row chunk by row chunk from its stored dtype (e.g. bf16), so no fp32 copy of a large
+    table (Gemma4 E2B's per-layer table is 262144 x 8960) is ever materialised.
+
+    Args:
+        weight: the `[num_embeddings, embedding_dim]` table, any floating dtype.
+        quant: bits (0, 4, 8) and group size.
+        scale_dtype: dtype of scales and zero points (float16 halves their size; float32 is exact).
+        out_dtype: dtype of the looked-up rows.
+
+    Example:
+        >>> emb = QuantizedEmbedding(model.embed_tokens.weight, EmbeddingQuant(bits=4, group_size=32))
+        >>> hidden = emb(input_ids)  # [1, T, embedding_dim] float32
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        quant: EmbeddingQuant,
+        *,
+        scale_dtype: torch.dtype = torch.float16,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"Expected a 2-D floating embedding table; got {tuple(weight.shape)} {weight.dtype}")
+        self.bits = quant.bits
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.out_dtype = out_dtype
+        if self.bits == 0:
+            self.group_size = 0
+            self.register_buffer("weight", weight.detach().to(out_dtype).clone())
+            return
+        _register_quantized_embedding_ops()
+        group = quant.group_size or self.embedding_dim
+        if self.embedding_dim % group:
+            raise ValueError(f"Embedding dim {self.embedding_dim} is not a multiple of the group size {group}")
+        if self.bits == 4 and self.embedding_dim % 2:
+            raise ValueError(f"4-bit embeddings pack two values per byte; embedding dim {self.embedding_dim} is odd")
+        self.group_size = group
+        self.qmin, self.qmax = -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
+        packed_cols = self.embedding_dim // 2 if self.bits == 4 else self.embedding_dim
+        packed = torch.empty(self.num_embeddings, packed_cols, dtype=torch.uint8 if self.bits == 4 else torch.int8)
+        groups = self.embedding_dim // group
+        scales = torch.empty(self.num_embeddings, groups, dtype=scale_dtype)
+        zero_points = torch.empty(self.num_embeddings, groups, dtype=scale_dtype)
+        rows = max(1, _ROW_CHUNK_ELEMENTS // self.embedding_dim)
+        with torch.no_grad():
+            for start in range(0, self.num_embeddings, rows):
+                stop = min(start + rows, self.num_embeddings)
+                q, s, z = self._quantize_rows(weight[start:stop], scale_dtype)
+                scales[start:stop] = s
+                zero_points[start:stop] = z
+                if self.bits == 4:
+                    # byte = (even + 8) << 4 | (odd + 8): the unpacking of embedding_4bit
+                    u = (q + 8).to(torch.uint8).view(stop - start, -1, 2)
+                    packed[start:stop] = (u[..., 0] << 4) | u[..., 1]
+                else:
+                    packed[start:stop] = q.to(torch.int8)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zero_points", zero_points)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, quant: EmbeddingQuant, **kwargs) -> "QuantizedEmbedding":
+        """Build from an `nn.Embedding` (its weight is read, not kept)."""
+        return cls(embedding.weight, quant, **kwargs)
+
+    def _quantize_rows(self, chunk: torch.Tensor, scale_dtype: torch.dtype):
+        n = chunk.shape[0]
+        w = chunk.to(torch.float32).view(n, -1, self.group_size)
+        lo = w.amin(dim=-1).clamp(max=0.0)
+        hi = w.amax(dim=-1).clamp(min=0.0)
+        # The stored (rounded) scale is the one used to quantize, so dequantization is consistent.
+        scale = ((hi - lo) / (self.qmax - self.qmin)).clamp(min=1e-8).to(scale_dtype)
+        s = scale.to(torch.float32)
+        zero = torch.clamp(self.qmin - torch.round(lo / s), self.qmin, self.qmax)
+        # The kernels compute (q - zero_point) * scale with q in [qmin, qmax].
+        q = torch.clamp(torch.round(w / s.unsqueeze(-1)) + zero.unsqueeze(-1), self.qmin, self.qmax)
+        return q.to(torch.int16).view(n, -1), scale, zero.to(scale_dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.bits == 0:
+            return nn.functional.embedding(input_ids, self.weight)
+        op = torch.ops.quantized_decomposed.embedding_4bit if self.bits == 4 else torch.ops.quantized_decomposed.embedding_byte
+        return op.dtype(
+            self.weight, self.scales, self.zero_points, self.qmin, self.qmax, input_ids, dtype=self.out_dtype
+        )
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The full table as the lookup sees it, in `out_dtype` (for tests; materialises the table)."""
+        return self(torch.arange(self.num_embeddings))
+
+    def extra_repr(self) -> str:
+        quant = f"bits={self.bits}, group_size={self.group_size}" if self.bits else "float"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {quant}"

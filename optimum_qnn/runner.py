@@ -1,0 +1,100 @@
+"""Host-side KV management of the runner contract, shared by eager static runs and the .pte runtime.
+
+Caches are preallocated once per generation: one K buffer ``[1, kv, hd, C-1]`` and one V buffer
+``[1, kv, C-1, hd]`` per cache-owning layer (the decode method's size, the largest). A method with ar_len N
+reads the first C-N slots. After each call the host copies the new K/V slices into slots
+``[n_past, n_past + n)`` and opens those mask columns on the next call ("smart mask": nothing ever shifts).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+from optimum_qnn.errors import ContextOverflowError, InvalidInputError
+from optimum_qnn.ops.mask import attention_mask
+
+MethodFn = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+
+
+class KVSession:
+    """Runs a prompt and decode steps through the contract's methods, keeping the caches between calls.
+
+    Args:
+        contract: the runner contract of the export.
+        methods: method name -> callable taking the inputs in contract order and returning the outputs.
+    """
+
+    def __init__(self, contract: RunnerContract, methods: dict[str, MethodFn]):
+        self.contract = contract
+        self.methods = methods
+        self.decode_spec = contract.method(DECODE_METHOD)
+        self.prefill_spec = contract.method(PREFILL_METHOD) if PREFILL_METHOD in methods else None
+        dec_inputs = {t.name: t for t in self.decode_spec.inputs}
+        self.cache_layers = contract.cache_layers
+        self.k_bufs = [torch.zeros(dec_inputs[f"k_cache_{l.index}"].shape) for l in self.cache_layers]
+        self.v_bufs = [torch.zeros(dec_inputs[f"v_cache_{l.index}"].shape) for l in self.cache_layers]
+        self.n_past = 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens that fit in one generation: cache slots plus the token of the last call."""
+        return self.contract.context_len
+
+    def reset(self) -> None:
+        # Stale slots are never read (their mask columns stay closed), so the buffers need no clearing.
+        self.n_past = 0
+
+    def _call(self, spec, tokens: torch.Tensor, n_valid: int) -> torch.Tensor:
+        ar, ctx, cache_len = spec.ar_len, self.contract.context_len, spec.cache_len
+        if self.n_past > cache_len:
+            raise ContextOverflowError(f"{self.n_past} tokens do not fit the {cache_len} cache slots of {spec.name}")
+        pos = torch.arange(self.n_past, self.n_past + ar, dtype=torch.int32).clamp_(max=ctx - 1).view(1, ar)
+        inputs: list[torch.Tensor] = [
+            tokens.view(1, ar).to(torch.int64),
+            attention_mask(ar, ctx, self.n_past, n_valid=n_valid),
+            attention_mask(ar, ctx, self.n_past, window=self.contract.sliding_window, n_valid=n_valid),
+            pos,
+        ]
+        inputs += [k[..., :cache_len] for k in self.k_bufs]
+        inputs += [v[:, :, :cache_len, :] for v in self.v_bufs]
+        outputs = self.methods[spec.name](inputs)
+        n = len(self.cache_layers)
+        lo, hi = self.n_past, self.n_past + n_valid
+        for i in range(n):
+            self.k_bufs[i][..., lo:hi] = outputs[1 + i][..., :n_valid]
+            self.v_bufs[i][:, :, lo:hi, :] = outputs[1 + n + i][:, :, :n_valid, :]
+        self.n_past = hi
+        return outputs[0][0, :n_valid]
+
+    def feed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append ``ids`` (1-D) to the context; returns their logits ``[len(ids), vocab]``.
+
+        Whole prefill chunks go through the prefill method while they fit; the rest goes token by token.
+        """
+        ids = ids.reshape(-1)
+        if ids.numel() == 0:
+            raise InvalidInputError("Cannot feed an empty sequence of token ids")
+        if self.n_past + ids.numel() > self.capacity:
+            raise ContextOverflowError(
+                f"{self.n_past} + {ids.numel()} tokens exceed the exported context of {self.capacity} tokens; "
+                "shorten the prompt or export with a larger --max-seq-len"
+            )
+        vocab = self.contract.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+        logits: list[torch.Tensor] = []
+        start = 0
+        spec = self.prefill_spec
+        while spec is not None and start < ids.numel() and self.n_past <= spec.cache_len and ids.numel() - start > 1:
+            chunk = ids[start : start + spec.ar_len]
+            n = chunk.numel()
+            padded = torch.zeros(spec.ar_len, dtype=torch.int64)
+            padded[:n] = chunk
+            logits.append(self._call(spec, padded, n))
+            start += n
+        for i in range(start, ids.numel()):
+            logits.append(self._call(self.decode_spec, ids[i : i + 1], 1))
+        return torch.cat(logits, dim=0)
