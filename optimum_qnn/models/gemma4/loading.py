@@ -1,0 +1,171 @@
+"""Load only the Gemma4 text decoder from a checkpoint folder (safetensors), never the vision/audio towers.
+
+`Gemma4ForCausalLM.from_pretrained` on a multimodal checkpoint (keys ``model.language_model.*``) silently leaves
+every weight random, and `Gemma4ForConditionalGeneration` materialises the towers. This loader builds the text
+model on the meta device, maps the keys itself, reads tensor by tensor from the safetensors files (the towers'
+tensors are never read), and fails loudly on any missing or unexpected text weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers.models.gemma4 import modeling_gemma4 as hf
+
+from optimum_qnn.errors import OptimumQnnError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
+# Multimodal checkpoints keep these beside the text decoder; the exporter never reads them.
+NON_TEXT_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_SHARED_KV_KEY = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+class CheckpointError(OptimumQnnError):
+    """A checkpoint folder that cannot be loaded as a Gemma4 text model."""
+
+
+@dataclass
+class LoadReport:
+    """Which checkpoint tensors were read and which were skipped without being read."""
+
+    read: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def read_text_config(folder: Path) -> Gemma4TextConfig:
+    """The Gemma4 text config of a checkpoint folder (the ``text_config`` of a multimodal one)."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"No config.json in {folder}: is this a Hugging Face model folder?")
+    raw = json.loads(config_path.read_text())
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"Model type {model_type!r} is not supported; expected one of: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(Gemma4 text or multimodal checkpoints)"
+        )
+    if model_type == "gemma4":
+        return Gemma4Config.from_pretrained(folder).get_text_config()
+    return Gemma4TextConfig.from_pretrained(folder)
+
+
+def _safetensors_files(folder: Path, allow_pickle: bool) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(folder.glob("*.bin"))
+    if pickles and allow_pickle:
+        return pickles
+    if pickles:
+        raise CheckpointError(
+            f"{folder} has only pickle (.bin) weights. They are refused by default because pickle can run code; "
+            "convert them to safetensors, or pass --allow-pickle (allow_pickle=True) to load them with "
+            "torch.load(weights_only=True)."
+        )
+    raise CheckpointError(f"No *.safetensors weights in {folder}")
+
+
+@contextlib.contextmanager
+def _open_tensors(file: Path):
+    """Yield ``(keys, get_tensor)`` for a safetensors file (lazy, tensor by tensor) or an opted-in pickle file."""
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), framework="pt") as f:
+            yield list(f.keys()), f.get_tensor
+    else:
+        # weights_only=True refuses anything but tensors and plain containers; mmap avoids a second copy.
+        sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        yield list(sd.keys()), sd.__getitem__
+
+
+def _text_key(key: str, multimodal: bool) -> str | None:
+    """Checkpoint key -> Gemma4ForCausalLM key, or None for tensors outside the text decoder."""
+    if key.startswith(NON_TEXT_PREFIXES):
+        return None
+    if multimodal:
+        if key.startswith("model.language_model."):
+            return "model." + key[len("model.language_model.") :]
+        return key  # lm_head.weight, or an unexpected key reported by the caller
+    return key
+
+
+def load_text_model(
+    folder: str | Path, *, dtype: torch.dtype | None = torch.float32, allow_pickle: bool = False
+) -> tuple[Gemma4ForCausalLM, LoadReport]:
+    """Build a `Gemma4ForCausalLM` from a local checkpoint folder, reading only text-decoder tensors.
+
+    Args:
+        folder: a folder with ``config.json`` and safetensors weights (text-only or multimodal Gemma4).
+        dtype: dtype of the loaded parameters; None keeps each tensor's stored dtype.
+        allow_pickle: accept a checkpoint with only pickle ``.bin`` weights (loaded with ``weights_only=True``).
+
+    Returns:
+        The model in eval mode, and a report of the tensors read and skipped.
+    """
+    folder = Path(folder)
+    config = read_text_config(folder)
+    config._attn_implementation = "eager"
+    multimodal = json.loads((folder / "config.json").read_text())["model_type"] == "gemma4"
+    files = _safetensors_files(folder, allow_pickle)
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    expected = set(model.state_dict().keys())
+    shared_layers = {i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse"}
+    report = LoadReport(files=[f.name for f in files])
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in files:
+        with _open_tensors(file) as (keys, get_tensor):
+            for key in keys:
+                target = _text_key(key, multimodal)
+                m = _SHARED_KV_KEY.match(target or "")
+                if target is None or (m and int(m.group(1)) in shared_layers):
+                    # Towers, and K/V weights that KV-shared layers carry in some checkpoints but never use.
+                    report.skipped.append(key)
+                    continue
+                if target not in expected:
+                    unexpected.append(key)
+                    continue
+                tensor = get_tensor(key)
+                state[target] = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+                report.read.append(key)
+    tied = config.tie_word_embeddings
+    missing = sorted(expected - state.keys() - ({"lm_head.weight"} if tied else set()))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"Checkpoint {folder} does not match the Gemma4 text model of its config: "
+            f"{len(missing)} missing (e.g. {missing[:5]}), {len(unexpected)} unexpected (e.g. {unexpected[:5]})"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _materialize_derived_buffers(model)
+    logger.info("Loaded %d text tensors from %s; skipped %d", len(report.read), folder, len(report.skipped))
+    return model.eval(), report
+
+
+def _materialize_derived_buffers(model: Gemma4ForCausalLM) -> None:
+    """Rebuild the non-persistent buffers (not in checkpoints) that the meta-device construction left empty."""
+    text = model.model
+    text.rotary_emb = hf.Gemma4TextRotaryEmbedding(model.config)
+    for module in model.modules():
+        if isinstance(module, hf.Gemma4TextScaledWordEmbedding):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale)
+    left = [name for name, b in model.named_buffers() if b.is_meta]
+    left += [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise CheckpointError(f"Tensors left uninitialised after loading: {left[:8]}")
