@@ -23,10 +23,10 @@ import logging
 import operator
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
 
@@ -41,12 +41,12 @@ logger = logging.getLogger(__name__)
 
 QNN_BACKEND_ID = "QnnBackend"
 
-# A method is either an already exported program or a module with its example inputs (exported here with
-# strict=True, as ExecuTorch's Qualcomm flow does).
-MethodSource = "torch.export.ExportedProgram | tuple[torch.nn.Module, tuple[Any, ...]]"
+# A method is an exported program or a module with its positional example inputs.
+MethodSource: TypeAlias = Union[torch.export.ExportedProgram, tuple[torch.nn.Module, tuple[Any, ...]]]
 
 # Every HTP context binary records the target it was compiled for, e.g. `soc_type=SM8650;arch=75;...`.
 _TARGET_RE = re.compile(rb"soc_type=(\w+);arch=(\d+)")
+_OP_NAME_RE = re.compile(r"\w+\.\w+\.\w+")
 
 
 def compile_specs(
@@ -141,39 +141,46 @@ class LoweredProgram:
 
 
 def lower_to_pte(
-    programs: Mapping[str, Any],
+    programs: Mapping[str, MethodSource],
     soc: Soc,
     *,
     fp16: bool,
     constant_methods: Mapping[str, Any] | None = None,
     weight_sharing: bool | None = None,
     shared_buffer: bool = False,
+    skip_ops: Collection[str] = (),
 ) -> LoweredProgram:
     """Lower one or more methods to QNN and serialize them into one .pte.
 
     Args:
-        programs: method name -> `ExportedProgram`, or `(module, example_inputs)`. A PT2E graph is passed as
-            its `convert_pt2e` output with example inputs (or re-exported). Every method is re-exported
-            strictly by ExecuTorch's Qualcomm pipeline, which applies its export passes before `to_edge`.
+        programs: method name -> `ExportedProgram` or `(module, example_inputs)`; a PT2E-quantized method is the
+            `convert_pt2e` graph (as is, or re-exported). ExecuTorch's Qualcomm pipeline re-exports every method
+            strictly, applying its own export passes before `to_edge`. Several methods must split into the same
+            number of QNN partitions (their i-th partitions share a context).
         soc: the target SoC.
         fp16: floating-point graphs compiled at HTP fp16; False for quantized (PT2E) graphs.
-        constant_methods: extra methods returning constants (e.g. `{"get_max_seq_len": 1024}`); values are
-            what `torch.export`-less ExecuTorch methods can return: int, float, bool, str, tensors, lists.
+        constant_methods: extra methods that take no input and return a constant, e.g. `{"get_max_seq_len": 1024}`
+            (an int, float, bool or tensor).
         weight_sharing: share weights between the methods' graphs. Defaults to True when there are several
             methods (what a phone wants); pass False for artifacts that run on the x86 emulator.
         shared_buffer: see `compile_specs`; also leaves graph IO unplanned, since the runner provides it.
+        skip_ops: edge op names kept on the CPU even where QNN supports them, e.g. `{"aten.embedding.default"}`.
 
     Returns:
         The `LoweredProgram` (bytes + delegation summary).
 
     Raises:
-        ValueError: no methods, or a method name that clashes with a constant method.
+        ValueError: no methods, a method name that clashes with a constant method, or a malformed op name.
     """
     if not programs:
         raise ValueError("No methods to lower")
     clash = set(programs) & set(constant_methods or {})
     if clash:
         raise ValueError(f"Method names used both as graphs and as constant methods: {sorted(clash)}")
+    # QnnPartitioner compares these with `node.target.__name__`: a name in another form silently matches nothing.
+    malformed = sorted(op for op in skip_ops if not _OP_NAME_RE.fullmatch(op))
+    if malformed:
+        raise ValueError(f"Op names must look like 'aten.embedding.default' (namespace.op.overload); got {malformed}")
     multiple = len(programs) > 1
     if weight_sharing is None:
         weight_sharing = multiple
@@ -186,14 +193,17 @@ def lower_to_pte(
     modules, inputs = {}, {}
     for name, source in programs.items():
         modules[name], inputs[name] = _as_module_and_inputs(name, source)
-    # One spec object per method: ExecuTorch groups the methods' partitions into one context by position.
-    specs = {
-        name: compile_specs(soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer)
-        for name in programs
-    }
+    # The same spec for every method: QnnBackend.preprocess_multimethod compiles the i-th partition of all
+    # methods into one context with the FIRST method's spec, so differing specs would be silently ignored.
+    spec = compile_specs(soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer)
+    specs = {name: spec for name in programs}
     logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
     edge = to_edge_transform_and_lower_to_qnn(
-        modules, inputs, specs, constant_methods=dict(constant_methods) if constant_methods else None
+        modules,
+        inputs,
+        specs,
+        constant_methods=dict(constant_methods) if constant_methods else None,
+        skip_node_op_set=set(skip_ops),
     )
     delegation = delegation_summary(edge)
     config = ExecutorchBackendConfig(
@@ -205,7 +215,7 @@ def lower_to_pte(
     return LoweredProgram(buffer=bytes(buffer), delegation=delegation, weight_sharing=weight_sharing, soc=soc)
 
 
-def _as_module_and_inputs(name: str, source: Any) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+def _as_module_and_inputs(name: str, source: MethodSource) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     if isinstance(source, torch.export.ExportedProgram):
         args, kwargs = source.example_inputs or ((), {})
         if kwargs:
@@ -242,9 +252,8 @@ def delegation_summary(edge: EdgeProgramManager) -> dict[str, MethodDelegation]:
 
 
 def _op_name(target: Any) -> str:
-    # Edge ops print as `aten.add.Tensor`; plain callables by their qualified name.
-    name = getattr(target, "__name__", None) if not hasattr(target, "_schema") else None
-    return name or str(target)
+    """`aten.erf.default` for ATen and edge ops (whose str() is a long schema dump), else the callable's name."""
+    return getattr(target, "__name__", None) or str(target)
 
 
 def format_delegation(summary: Mapping[str, MethodDelegation]) -> str:

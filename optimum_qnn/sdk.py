@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optimum_qnn.config import Soc
+from optimum_qnn.errors import OptimumQnnError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ REQUIRED_LIBRARIES = (HTP_LIBRARY, SYSTEM_LIBRARY)
 _BUILD_ID_RE = re.compile(rb"v2\.\d{1,3}\.\d{1,3}\.\d{6,}")
 
 
-class QnnSdkError(RuntimeError):
+class QnnSdkError(OptimumQnnError, RuntimeError):
     """The QNN libraries cannot be found or used; the message says what was expected where."""
 
 

@@ -1,0 +1,53 @@
+"""`python -m optimum_qnn <command>`.
+
+Each command is one `_add_<name>` function that registers its parser and sets `handler` (a function taking the
+parsed arguments and returning an exit code); list it in `_COMMANDS`. Handlers import their heavy modules
+themselves so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="show versions, the QNN libraries in use and the SoCs that can be targeted"
+    )
+
+    def handler(args: argparse.Namespace) -> int:
+        from optimum_qnn.doctor import run_doctor
+
+        return run_doctor()
+
+    parser.set_defaults(handler=handler)
+
+
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("export", help="export a Gemma4 model to QNN (same as `optimum-cli export qnn`)")
+    from optimum_qnn.cli import add_export_arguments, run_export
+
+    add_export_arguments(parser)
+    parser.set_defaults(handler=run_export)
+
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m optimum_qnn", description="Export Gemma4 text models to Qualcomm HTP.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Shared, session-scoped test set-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Set before a child process starts, so they reach its loader and executorch; never inherited by accident.
+_SDK_ENV = ("QNN_SDK_ROOT", "OPTIMUM_QNN_CACHE", "LD_LIBRARY_PATH")
+
+
+@pytest.fixture(scope="session")
+def qnn_sdk():
+    """The QNN libraries of this test process (set up once; executorch's Qualcomm code needs them)."""
+    from optimum_qnn.sdk import ensure_qnn_sdk
+
+    return ensure_qnn_sdk()
+
+
+RunPython = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture(scope="session")
+def run_python() -> RunPython:
+    """Run `python <args>` in a fresh interpreter of this venv with the repo importable.
+
+    The QNN variables of this process are removed from the child's environment (so each test states the
+    set-up it checks) and replaced by `env`.
+    """
+
+    def run(*args: str, env: Mapping[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        child_env = {k: v for k, v in os.environ.items() if k not in _SDK_ENV}
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        child_env.update(env or {})
+        return subprocess.run(
+            [sys.executable, *args], env=child_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+        )
+
+    return run
