@@ -161,6 +161,9 @@ class ExportConfig:
     mode: ExportMode = ExportMode.HYBRID
     shapes: ShapeConfig = field(default_factory=ShapeConfig)
     embedding_quant: EmbeddingQuant = field(default_factory=EmbeddingQuant)
+    # Hybrid graphs share one copy of the weights inside the HTP context (what a phone wants). The x86 HTP
+    # emulator cannot load such a context, so artifacts meant to run on x86 turn it off.
+    weight_sharing: bool = True
 
     def __post_init__(self) -> None:
         if not self.socs:

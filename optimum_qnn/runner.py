@@ -47,13 +47,17 @@ class KVSession:
         # Stale slots are never read (their mask columns stay closed), so the buffers need no clearing.
         self.n_past = 0
 
-    def _call(self, spec, tokens: torch.Tensor, n_valid: int) -> torch.Tensor:
+    def _call(self, spec, chunk: torch.Tensor) -> torch.Tensor:
+        """One call of ``spec`` on up to ar_len tokens (padded after the real ones); returns their logits."""
         ar, ctx, cache_len = spec.ar_len, self.contract.context_len, spec.cache_len
+        n_valid = chunk.numel()
+        tokens = torch.zeros(ar, dtype=torch.int64)
+        tokens[:n_valid] = chunk
         if self.n_past > cache_len:
             raise ContextOverflowError(f"{self.n_past} tokens do not fit the {cache_len} cache slots of {spec.name}")
         pos = torch.arange(self.n_past, self.n_past + ar, dtype=torch.int32).clamp_(max=ctx - 1).view(1, ar)
         inputs: list[torch.Tensor] = [
-            tokens.view(1, ar).to(torch.int64),
+            tokens.view(1, ar),
             attention_mask(ar, ctx, self.n_past, n_valid=n_valid),
             attention_mask(ar, ctx, self.n_past, window=self.contract.sliding_window, n_valid=n_valid),
             pos,
@@ -69,11 +73,7 @@ class KVSession:
         self.n_past = hi
         return outputs[0][0, :n_valid]
 
-    def feed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Append ``ids`` (1-D) to the context; returns their logits ``[len(ids), vocab]``.
-
-        Whole prefill chunks go through the prefill method while they fit; the rest goes token by token.
-        """
+    def _check(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1)
         if ids.numel() == 0:
             raise InvalidInputError("Cannot feed an empty sequence of token ids")
@@ -85,16 +85,28 @@ class KVSession:
         vocab = self.contract.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+        return ids
+
+    def feed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append ``ids`` (1-D) to the context; returns their logits ``[len(ids), vocab]``.
+
+        Whole prefill chunks go through the prefill method while they fit; the rest goes token by token.
+        """
+        ids = self._check(ids)
         logits: list[torch.Tensor] = []
         start = 0
         spec = self.prefill_spec
         while spec is not None and start < ids.numel() and self.n_past <= spec.cache_len and ids.numel() - start > 1:
             chunk = ids[start : start + spec.ar_len]
-            n = chunk.numel()
-            padded = torch.zeros(spec.ar_len, dtype=torch.int64)
-            padded[:n] = chunk
-            logits.append(self._call(spec, padded, n))
-            start += n
+            logits.append(self._call(spec, chunk))
+            start += chunk.numel()
         for i in range(start, ids.numel()):
-            logits.append(self._call(self.decode_spec, ids[i : i + 1], 1))
+            logits.append(self._call(self.decode_spec, ids[i : i + 1]))
+        return torch.cat(logits, dim=0)
+
+    def feed_method(self, method: str, ids: torch.Tensor) -> torch.Tensor:
+        """Append ``ids`` through one method only, in calls of its ar_len (the last one padded)."""
+        ids = self._check(ids)
+        spec = self.contract.method(method)
+        logits = [self._call(spec, ids[start : start + spec.ar_len]) for start in range(0, ids.numel(), spec.ar_len)]
         return torch.cat(logits, dim=0)

@@ -1,0 +1,227 @@
+"""The artifact folder: shared root files, one folder per SoC/quant variant, an index of variants.
+
+```
+out/
+  config.json  generation_config.json  tokenizer.json ...   (shared by every variant)
+  qnn_index.json                                           (the variants, for runners and the Hub loader)
+  README.md                                                (model card)
+  qnn/sm8750/16a4w_block64-ctx1024/model.pte
+  qnn/sm8750/16a4w_block64-ctx1024/manifest.json
+```
+
+Every write is atomic: a variant is built in a staging folder and renamed into place only when complete (an
+existing variant of the same name is replaced only then), and root files are replaced with ``os.replace``.
+An interrupted export therefore leaves nothing that looks complete, and never damages the other variants.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from optimum_qnn.config import ExportConfig, ExportMode, Soc
+from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.manifest import (
+    MANIFEST_NAME,
+    PROGRAM_NAME,
+    Manifest,
+    Quantization,
+    QuantRecipeRow,
+    Source,
+    Target,
+    TokenizerInfo,
+    Versions,
+    contract_section,
+    file_entry,
+    sha256_file,
+)
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "qnn_index.json"
+INDEX_FORMAT = "optimum-qnn/variants"
+INDEX_VERSION = 1
+ROOT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+class ArtifactError(OptimumQnnError):
+    """The artifact folder cannot be written or read."""
+
+
+def variant_name(soc: Soc, config: ExportConfig) -> str:
+    """``qnn/<soc>/<quant>-ctx<C>`` (``-kv`` appended for decode-only exports)."""
+    mode = "" if config.mode is ExportMode.HYBRID else "-kv"
+    return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{mode}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def atomic_copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def read_index(output: Path) -> dict[str, Any]:
+    path = Path(output) / INDEX_NAME
+    if not path.is_file():
+        return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "variants": []}
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"Cannot read the variant index {path}: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or not isinstance(index.get("variants"), list):
+        raise ArtifactError(f"{path} is not an optimum-qnn variant index")
+    if index.get("version") != INDEX_VERSION:
+        raise ArtifactError(f"{path} has index version {index.get('version')}; this optimum-qnn reads {INDEX_VERSION}")
+    return index
+
+
+@dataclass
+class VariantWriter:
+    """Writes variants (and the shared root files) into one artifact folder."""
+
+    output: Path
+    source_folder: Path
+    model_id: str
+    revision: str | None
+    load_report: Any
+    tokenizer: Any
+    text_config: Any
+
+    def __post_init__(self) -> None:
+        self.output = Path(self.output)
+        try:
+            self.output.mkdir(parents=True, exist_ok=True)
+            probe = self.output / f".write-probe-{uuid.uuid4().hex}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ArtifactError(f"Cannot write to the output folder {self.output}: {e.strerror or e}") from None
+        read_index(self.output)  # refuse a foreign or corrupt index before doing any work
+        self._weights = None
+
+    def _weight_entries(self):
+        if self._weights is None:
+            self._weights = [file_entry(self.source_folder, name) for name in self.load_report.files]
+        return self._weights
+
+    def _write_root(self) -> list[str]:
+        copied = []
+        for name in ROOT_FILES:
+            src = self.source_folder / name
+            if src.is_file():
+                atomic_copy(src, self.output / name)
+                copied.append(name)
+        return copied
+
+    def write_variant(self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None) -> Path:
+        """Write one variant atomically; returns its folder."""
+        from optimum_qnn.sdk import ensure_qnn_sdk
+
+        root_files = self._write_root()
+        target = self.output / name
+        staging = self.output / f".staging-{uuid.uuid4().hex}"
+        try:
+            staging.mkdir(parents=True)
+            lowered.write(staging / PROGRAM_NAME)
+            manifest = Manifest(
+                schema_version="1.0",
+                source=Source(self.model_id, self.revision, self._weight_entries()),
+                versions=Versions(
+                    optimum_qnn=_version("optimum-qnn"),
+                    executorch=_version("executorch"),
+                    torch=_version("torch"),
+                    transformers=_version("transformers"),
+                    qairt_build_id=ensure_qnn_sdk().build_id,
+                ),
+                target=Target(lowered.soc.value, lowered.soc.htp_arch),
+                quantization=Quantization(
+                    scheme=config.quant.value,
+                    block_size=config.block_size if config.quant.value == "16a4w_block" else None,
+                    embedding=str(config.embedding_quant),
+                    kv_io_bits=32,
+                    recipe=[QuantRecipeRow(r.module, r.op, r.activation, r.weight, r.count) for r in quant_rows or []],
+                ),
+                contract=contract_section(contract, weight_sharing=lowered.weight_sharing),
+                tokenizer=self._tokenizer_info(root_files),
+                program=file_entry(staging, PROGRAM_NAME),
+                files=[file_entry(staging, PROGRAM_NAME)],
+            )
+            manifest.write(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _replace_dir(staging, target)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ArtifactError(f"Writing variant {name} into {self.output} failed: {e.strerror or e}; earlier variants are intact") from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self._update_index(name, lowered.soc, config)
+        return target
+
+    def _tokenizer_info(self, root_files: list[str]) -> TokenizerInfo:
+        cfg = self.text_config
+        gen_path = self.source_folder / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        eos = gen.get("eos_token_id", cfg.eos_token_id)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        return TokenizerInfo(
+            files=[f for f in root_files if f.startswith(("tokenizer", "special_tokens", "chat_template"))],
+            bos_id=gen.get("bos_token_id", cfg.bos_token_id),
+            eos_ids=[int(e) for e in eos_ids],
+            pad_id=gen.get("pad_token_id", cfg.pad_token_id),
+            chat_template=template if isinstance(template, str) else None,
+        )
+
+    def _update_index(self, name: str, soc: Soc, config: ExportConfig) -> None:
+        index = read_index(self.output)
+        entry = {
+            "path": name,
+            "soc": soc.value,
+            "quant": config.quant_tag,
+            "context_len": config.shapes.max_seq_len,
+            "mode": config.mode.value,
+            "manifest_sha256": sha256_file(self.output / name / MANIFEST_NAME),
+        }
+        index["variants"] = [v for v in index["variants"] if v.get("path") != name] + [entry]
+        index["variants"].sort(key=lambda v: v["path"])
+        atomic_write_text(self.output / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Put ``new`` at ``target``; an existing ``target`` is moved aside first and deleted after."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".old-{target.name}-{uuid.uuid4().hex}")
+        os.replace(target, old)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,108 @@
+"""Command-line front ends: `optimum-cli export qnn ...` and `python -m optimum_qnn export|generate|doctor`.
+
+Arguments map onto the frozen `ExportConfig`; nothing else is passed around. Heavy imports happen in the
+handlers, so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from optimum_qnn.config import (
+    BLOCK_SIZES,
+    EmbeddingQuant,
+    ExportConfig,
+    ExportMode,
+    QuantScheme,
+    ShapeConfig,
+    Soc,
+)
+from optimum_qnn.errors import OptimumQnnError
+
+logger = logging.getLogger(__name__)
+
+_DEFAULTS = ExportConfig()
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Export a Gemma4 text model (Hugging Face Hub id or local folder) to a QNN .pte for Snapdragon HTPs.\n"
+        "The model is loaded and calibrated once; one variant is written per --soc."
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    req = parser.add_argument_group("required")
+    req.add_argument("-m", "--model", required=True, help="Hub model id (e.g. google/gemma-4-e2b) or local checkpoint folder")
+    req.add_argument("-o", "--output", required=True, type=Path, help="artifact folder (other variants in it are kept)")
+    opt = parser.add_argument_group("target and precision")
+    opt.add_argument(
+        "--soc", nargs="+", default=[s.value for s in _DEFAULTS.socs], metavar="SOC",
+        help=f"one or more target SoCs: {', '.join(s.value for s in Soc)} (default: %(default)s)",
+    )
+    opt.add_argument(
+        "--quant", default=_DEFAULTS.quant.value, metavar="SCHEME",
+        help=f"quantization of the HTP graph: {', '.join(q.value for q in QuantScheme)} (default: %(default)s)",
+    )
+    opt.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, choices=BLOCK_SIZES, help="block size of 16a4w_block (default: %(default)s)")
+    opt.add_argument(
+        "--embedding-quant", default=str(_DEFAULTS.embedding_quant), metavar="BITS,GROUP",
+        help="weight-only quantization of the CPU-side embedding tables: '4,32', '8,0' (per row) or 'none' (default: %(default)s)",
+    )
+    opt.add_argument("--mode", default=_DEFAULTS.mode.value, choices=[m.value for m in ExportMode],
+                     help="hybrid: prefill + decode methods in one .pte; kv: decode only (default: %(default)s)")
+    opt.add_argument("--max-seq-len", type=int, default=_DEFAULTS.shapes.max_seq_len, help="context length C (default: %(default)s)")
+    opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
+    opt.add_argument("--no-weight-sharing", action="store_true",
+                     help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
+    cal = parser.add_argument_group("calibration (quantized schemes)")
+    src = cal.add_mutually_exclusive_group()
+    src.add_argument("--calib-file", type=Path, help="plain text (paragraphs) or JSONL with a 'text' field")
+    src.add_argument("--calib-dataset", help="a `datasets` dataset name or path")
+    cal.add_argument("--calib-split", default="train", help="dataset split (default: %(default)s)")
+    cal.add_argument("--calib-limit", type=int, default=32, help="number of samples (default: %(default)s)")
+    src_grp = parser.add_argument_group("source model")
+    src_grp.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    src_grp.add_argument("--allow-pickle", action="store_true", help="accept a checkpoint with only pickle .bin weights")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+
+
+def config_from_args(args: argparse.Namespace) -> ExportConfig:
+    """Map parsed arguments onto the export config (bad values raise ValueError naming the allowed ones)."""
+    return ExportConfig(
+        socs=tuple(dict.fromkeys(Soc.parse(s) for s in args.soc)),
+        quant=QuantScheme.parse(args.quant),
+        block_size=args.block_size,
+        mode=ExportMode.parse(args.mode),
+        shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len),
+        embedding_quant=EmbeddingQuant.parse(args.embedding_quant),
+        weight_sharing=not args.no_weight_sharing,
+    )
+
+
+def run_export(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        from optimum_qnn.calibration import CalibrationSource
+        from optimum_qnn.export import export
+
+        calibration = CalibrationSource(
+            file=args.calib_file, dataset=args.calib_dataset, split=args.calib_split, limit=args.calib_limit
+        )
+        result = export(args.model, args.output, config, revision=args.revision, calibration=calibration, allow_pickle=args.allow_pickle)
+    except (OptimumQnnError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\nSwapped modules:\n" + result.swap_summary)
+    if result.quant_rows:
+        from optimum_qnn.quantization import format_quant_summary
+
+        print("\nQuantization:\n" + format_quant_summary(result.quant_rows))
+    for soc, table in result.delegation.items():
+        print(f"\nDelegation ({soc}):\n{table}")
+    print("\nStages:\n" + result.stage_table())
+    for path in result.variants:
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,241 @@
+"""The export pipeline: load -> swap -> torch.export -> quantize (calibrated) -> lower per SoC -> write.
+
+The model is loaded, swapped, exported and calibrated once; only the lowering runs per SoC.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from optimum_qnn.artifacts import VariantWriter, variant_name
+from optimum_qnn.calibration import CalibrationSource, token_sequences
+from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
+from optimum_qnn.hub import resolve_model_folder
+from optimum_qnn.models.gemma4 import StaticCausalLM
+from optimum_qnn.models.gemma4.loading import load_text_model
+from optimum_qnn.runner import KVSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageStats:
+    name: str
+    seconds: float
+    peak_rss_mb: float
+
+
+@dataclass
+class ExportResult:
+    """What one export wrote, and what it cost."""
+
+    output: Path
+    variants: list[Path] = field(default_factory=list)
+    stages: list[StageStats] = field(default_factory=list)
+    delegation: dict[str, str] = field(default_factory=dict)
+    quant_rows: list = field(default_factory=list)
+    swap_summary: str = ""
+
+    def stage_table(self) -> str:
+        lines = [f"{'stage':<12} {'wall s':>8} {'peak RSS MB':>12}"]
+        lines += [f"{s.name:<12} {s.seconds:>8.1f} {s.peak_rss_mb:>12.0f}" for s in self.stages]
+        return "\n".join(lines)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextmanager
+def _stage(result: ExportResult, name: str) -> Iterator[None]:
+    logger.info("[%s] ...", name)
+    t0 = time.perf_counter()
+    yield
+    result.stages.append(StageStats(name, time.perf_counter() - t0, peak_rss_mb()))
+    logger.info("[%s] done in %.1f s", name, result.stages[-1].seconds)
+
+
+def export(
+    model: str | Path,
+    output: str | Path,
+    config: ExportConfig,
+    *,
+    revision: str | None = None,
+    calibration: CalibrationSource | None = None,
+    allow_pickle: bool = False,
+) -> ExportResult:
+    """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
+
+    Args:
+        model: a Hugging Face Hub id or a local checkpoint folder.
+        output: the artifact folder (created; existing variants of other SoCs/schemes are kept).
+        config: SoCs, quant scheme, mode and shapes.
+        revision: Hub revision (branch, tag or commit) of ``model``.
+        calibration: calibration text for quantized schemes (default: built-in sentences).
+        allow_pickle: accept a checkpoint that has only pickle weights.
+
+    Returns:
+        The variant folders written and per-stage wall time / peak RSS.
+    """
+    result = ExportResult(Path(output))
+    with _stage(result, "load"):
+        folder = resolve_model_folder(str(model), revision=revision)
+        hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle)
+        tokenizer = _load_tokenizer(folder)
+    shapes = config.shapes
+    hybrid = config.mode is ExportMode.HYBRID
+    with _stage(result, "swap"):
+        static = StaticCausalLM.from_hf(
+            hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None
+        )
+        result.swap_summary = static.report.table()
+        _swap_embeddings_for_cpu(static, config)
+    methods = [m.name for m in static.contract.methods]
+    with _stage(result, "export"):
+        programs = {
+            name: torch.export.export(static.module, static.example_inputs(name), strict=True) for name in methods
+        }
+    if config.quant.is_quantized:
+        graphs = _quantize(static, programs, config, tokenizer, calibration or CalibrationSource(), result)
+        sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
+    else:
+        sources = dict(programs)
+    writer = VariantWriter(
+        Path(output), source_folder=folder, model_id=str(model), revision=revision, load_report=load_report,
+        tokenizer=tokenizer, text_config=static.text_config,
+    )
+    from optimum_qnn.lowering import format_delegation, lower_to_pte
+
+    for soc in config.socs:
+        with _stage(result, f"lower {soc.value}"):
+            lowered = lower_to_pte(
+                sources,
+                soc,
+                fp16=not config.quant.is_quantized,
+                constant_methods=runner_metadata(static, config),
+                weight_sharing=config.weight_sharing and len(methods) > 1,
+                skip_ops=_CPU_OPS,
+            )
+            result.delegation[soc.value] = format_delegation(lowered.delegation)
+        with _stage(result, f"write {soc.value}"):
+            path = writer.write_variant(
+                variant_name(soc, config), lowered, static.contract, config, quant_rows=result.quant_rows
+            )
+            result.variants.append(path)
+    return result
+
+
+# Ops that stay on the CPU side of the .pte: the embedding lookups (the per-layer table is far too large for
+# the NPU; quantized lookups are CPU kernels anyway).
+_CPU_OPS = frozenset({"aten.embedding.default"})
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        logger.warning("No usable tokenizer in %s (%s); calibration falls back to random token ids", folder, e)
+        return None
+
+
+def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig) -> None:
+    """Replace the token and per-layer embedding tables with CPU-side (weight-only quantized) lookups."""
+    from optimum_qnn.quantization import QuantizedEmbedding
+
+    text = static.module.model
+    names = ["embed_tokens"] + (["embed_tokens_per_layer"] if text.ple_dim else [])
+    for name in names:
+        hf_embedding = getattr(text, name)
+        setattr(text, name, ScaledLookup(QuantizedEmbedding.from_embedding(hf_embedding, config.embedding_quant), hf_embedding.scalar_embed_scale))
+
+
+class ScaledLookup(torch.nn.Module):
+    """A CPU lookup followed by Gemma4's constant embedding scale (sqrt of the width)."""
+
+    def __init__(self, lookup: torch.nn.Module, scale: float):
+        super().__init__()
+        self.lookup = lookup
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup(ids) * self.scale
+
+
+def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, source: CalibrationSource, result: ExportResult):
+    from optimum_qnn.quantization import make_quantizer, quant_summary, quantize_shared
+
+    from optimum_qnn.sdk import ensure_qnn_sdk
+
+    ensure_qnn_sdk()  # QnnQuantizer needs QNN_SDK_ROOT before executorch's Qualcomm code is imported
+    contract = static.contract
+    quantizer = make_quantizer(config.quant, block_size=config.block_size, soc=config.socs[0])
+    calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
+    bos = static.text_config.bos_token_id
+    if tokenizer is not None:
+        seqs = token_sequences(tokenizer, source.texts(), contract.context_len, bos)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, contract.vocab_size, (min(64, contract.context_len),), generator=gen).tolist()]
+
+    def calibrate(prepared: torch.nn.Module) -> None:
+        # Run the calibration text through the prepared graph exactly as a runner drives the .pte: chunked
+        # prefill with real cache contents, so the KV observers see filled caches, not zeros.
+        spec = contract.method(calibrate_on)
+        session = KVSession(contract, {spec.name: lambda inputs: prepared(*inputs)})
+        for seq in tqdm(seqs, desc="Calibrating", unit="sample"):
+            session.reset()
+            ids = torch.tensor(seq)
+            # Whole calls of the calibrated method only: the prepared graph has that method's shapes.
+            usable = (ids.numel() // spec.ar_len) * spec.ar_len if spec.ar_len > 1 else ids.numel()
+            if usable:
+                session.feed_method(spec.name, ids[:usable])
+
+    with _stage(result, "calibrate"):
+        graphs = quantize_shared(programs, calibrate, quantizer, calibrate_on=calibrate_on)
+    result.quant_rows = quant_summary(graphs[calibrate_on])
+    return graphs
+
+
+def runner_metadata(static: StaticCausalLM, config: ExportConfig) -> dict[str, int | float | bool]:
+    """Constant methods matching ExecuTorch's Qualcomm LLM runner, so its runners find what they read."""
+    cfg = static.text_config
+    contract = static.contract
+    layers = contract.layers
+    sliding = [l for l in layers if l.attention.value == "sliding_attention"]
+    full = [l for l in layers if l.attention.value == "full_attention"]
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else (cfg.eos_token_id or [1])[0]
+    meta: dict[str, int | float | bool] = {
+        "get_ar_len": contract.methods[0].ar_len,
+        "get_bos_id": int(cfg.bos_token_id if cfg.bos_token_id is not None else -1),
+        "get_eos_id": int(eos),
+        "get_dim": cfg.hidden_size,
+        "get_head_dim": (sliding or full)[0].head_dim,
+        "get_global_head_dim": (full or sliding)[0].head_dim,
+        "get_max_batch_size": 1,
+        "get_max_seq_len": contract.context_len,
+        "get_max_context_len": contract.context_len,
+        "get_n_bos": 1,
+        "get_n_eos": 1,
+        "get_n_kv_heads": layers[0].kv_heads,
+        "get_n_layers": cfg.num_hidden_layers,
+        "get_n_self_layers": len(contract.cache_layers),
+        "get_vocab_size": cfg.vocab_size,
+        "get_use_kv_cache": True,
+        "get_sliding_window": contract.sliding_window or 0,
+        "get_num_kv_shared_layers": cfg.num_kv_shared_layers,
+        # IO stays float at the graph boundary (the HTP delegate quantizes inside).
+        "get_kv_io_bit_width": 32,
+    }
+    return meta

@@ -1,0 +1,58 @@
+"""The Hugging Face Hub side: resolving source models, and publishing / fetching exported artifacts.
+
+Only `huggingface_hub` is used (no torch import), so the runtime can fetch an artifact cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from optimum_qnn.errors import OptimumQnnError
+
+logger = logging.getLogger(__name__)
+
+# What the exporter needs of a source checkpoint: config, text weights (safetensors), tokenizer.
+SOURCE_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+
+
+class HubError(OptimumQnnError):
+    """A repository, revision or file that cannot be had from the Hub (or its local cache)."""
+
+
+def resolve_model_folder(model: str, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
+    """A local folder for ``model``: the folder itself, or a snapshot of the Hub repo (only the files the exporter
+    reads: never the vision/audio-only extras, never pickle weights unless ``allow_pickle``)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise HubError(f"{model} is not a model folder")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    patterns = SOURCE_PATTERNS + (["*.bin"] if allow_pickle else [])
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    except RepositoryNotFoundError:
+        raise HubError(f"Model {model!r} was not found on the Hub (or is private: log in with `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise HubError(f"Revision {revision!r} of {model!r} was not found on the Hub") from None
+    except LocalEntryNotFoundError:
+        raise HubError(
+            f"{model!r} is not in the local Hugging Face cache and the Hub cannot be reached (offline?). "
+            "Pass a local folder, or download it first when online."
+        ) from None
+    except HfHubHTTPError as e:
+        raise HubError(f"The Hub refused {model!r}: {e}") from None

@@ -1,0 +1,270 @@
+"""`QNNModelForCausalLM`: generate text with an exported artifact, on a Snapdragon host or the x86 HTP emulator.
+
+The runtime reads the manifest and drives the .pte's methods through ExecuTorch's runtime. It never imports the
+exporter, the quantizer or `torch.export`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from optimum_qnn.artifacts import INDEX_NAME, read_index
+from optimum_qnn.contract import RunnerContract
+from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQnnError
+from optimum_qnn.manifest import Manifest, ManifestError, read_manifest, resolve_inside, sha256_file
+from optimum_qnn.runner import KVSession
+
+logger = logging.getLogger(__name__)
+
+
+class VariantNotFoundError(OptimumQnnError):
+    """No exported variant matches the requested SoC / quant scheme / context."""
+
+
+@dataclass
+class GenerationStats:
+    """Timings of the last `generate` call."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    host_overhead_share: float = 0.0
+    stopped_by: str = ""
+    step_times: list[float] = field(default_factory=list)
+
+
+def select_variant(index: dict[str, Any], soc: str | None, quant: str | None, context_len: int | None) -> dict[str, Any]:
+    """The index entry matching the request (None matches anything); a miss lists what exists."""
+    want = {"soc": soc.upper() if soc else None, "quant": quant, "context_len": context_len}
+    hits = [
+        v for v in index["variants"]
+        if all(val is None or v.get(key) == val for key, val in want.items())
+    ]
+    if len(hits) == 1:
+        return hits[0]
+    available = ", ".join(f"{v['soc']}/{v['quant']}/ctx{v['context_len']}/{v['mode']}" for v in index["variants"]) or "none"
+    if not hits:
+        raise VariantNotFoundError(
+            f"No variant for soc={soc}, quant={quant}, context_len={context_len}; available: {available}"
+        )
+    raise VariantNotFoundError(f"Several variants match soc={soc}, quant={quant}; be more specific. Available: {available}")
+
+
+def verify_files(folder: Path, manifest: Manifest) -> None:
+    """Check the size and sha256 of every file the manifest lists; a mismatch names the file."""
+    for entry in manifest.files:
+        path = resolve_inside(folder, entry.path)
+        if not path.is_file():
+            raise ManifestError(f"{entry.path} is listed in the manifest but missing from {folder}")
+        if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
+            raise ManifestError(
+                f"{entry.path} does not match its manifest sha256 (corrupt or tampered download); delete it and download again"
+            )
+
+
+class QNNModelForCausalLM:
+    """A QNN-exported Gemma4 causal LM, run through ExecuTorch's runtime (QNN HTP delegate).
+
+    Example:
+
+    ```python
+    >>> model = QNNModelForCausalLM.from_pretrained("out/", soc="SM8650", quant="fp16")
+    >>> model.generate(input_ids, max_new_tokens=32)
+    ```
+    """
+
+    def __init__(self, root: Path, variant: Path, manifest: Manifest):
+        self.root = root
+        self.variant = variant
+        self.manifest = manifest
+        self.contract: RunnerContract = manifest.runner_contract()
+        self.stats = GenerationStats()
+        self._program = _load_program(resolve_inside(variant, manifest.program.path), manifest)
+        self._methods = {m.name: self._program.load_method(m.name) for m in self.contract.methods}
+        self._session = KVSession(self.contract, {name: self._timed(m) for name, m in self._methods.items()})
+        self._exec_time = 0.0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        repo_or_dir: str | Path,
+        *,
+        soc: str | None = None,
+        quant: str | None = None,
+        context_len: int | None = None,
+        revision: str | None = None,
+    ) -> "QNNModelForCausalLM":
+        """Load one variant of an artifact folder or Hub repo, verified against its manifest.
+
+        Args:
+            repo_or_dir: an artifact folder, or a Hub repo id holding one.
+            soc: e.g. ``"SM8750"``; None when the artifact has a single SoC.
+            quant: e.g. ``"16a4w_block64"``; None when unambiguous.
+            context_len: the exported context length, when several exist.
+            revision: Hub revision to download.
+        """
+        path = Path(repo_or_dir)
+        if path.is_dir():
+            root = path
+            index = read_index(root)
+            entry = select_variant(index, soc, quant, context_len)
+        else:
+            from optimum_qnn.hub import download_variant
+
+            root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision)
+        if not (root / INDEX_NAME).is_file():
+            raise VariantNotFoundError(f"{root} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
+        variant = resolve_inside(root, entry["path"])
+        manifest = read_manifest(variant)
+        verify_files(variant, manifest)
+        if soc is not None and manifest.target.soc != soc.upper():
+            raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
+        return cls(root, variant, manifest)
+
+    def _timed(self, method):
+        def run(inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+            # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
+            args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+            t0 = time.perf_counter()
+            out = method.execute(args)
+            self._exec_time += time.perf_counter() - t0
+            return out
+
+        return run
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.manifest.tokenizer.eos_ids)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: Any = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate up to ``max_new_tokens`` after ``input_ids``; returns ``[1, prompt + new]`` ids.
+
+        Stops at an EOS id (default: the manifest's), at ``max_new_tokens``, or at the end of the context
+        (``self.stats.stopped_by`` says which). ``streamer`` gets ``put(tensor)`` per new token and ``end()``.
+        """
+        prompt = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        if prompt.numel() == 0:
+            raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
+        if max_new_tokens < 0:
+            raise InvalidInputError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
+        capacity = self._session.capacity
+        if prompt.numel() > capacity:
+            raise ContextOverflowError(
+                f"The prompt has {prompt.numel()} tokens but the exported context holds {capacity}; "
+                "shorten it or export with a larger --max-seq-len"
+            )
+        if eos_token_id is None:
+            eos = set(self.eos_token_ids)
+        else:
+            eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        session = self._session
+        session.reset()
+        stats = GenerationStats(prompt_tokens=prompt.numel())
+        self._exec_time = 0.0
+        t0 = time.perf_counter()
+        logits = session.feed(prompt)[-1]
+        t_first = time.perf_counter()
+        stats.time_to_first_token_s = t_first - t0
+        stats.prefill_tokens_per_s = prompt.numel() / max(stats.time_to_first_token_s, 1e-9)
+        out = prompt.tolist()
+        decode_exec = 0.0
+        stats.stopped_by = "max_new_tokens"
+        for step in range(max_new_tokens):
+            token = _pick(logits, do_sample, temperature, top_k, top_p, generator)
+            out.append(token)
+            stats.new_tokens += 1
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if token in eos:
+                stats.stopped_by = "eos"
+                break
+            if step == max_new_tokens - 1:
+                break
+            if session.n_past >= capacity:
+                stats.stopped_by = "context_full"
+                logger.warning("Generation stopped: the exported context of %d tokens is full", capacity)
+                break
+            before = self._exec_time
+            s0 = time.perf_counter()
+            logits = session.feed(torch.tensor([token]))[-1]
+            stats.step_times.append(time.perf_counter() - s0)
+            decode_exec += self._exec_time - before
+        if streamer is not None:
+            streamer.end()
+        decode_time = sum(stats.step_times)
+        if stats.step_times:
+            stats.decode_tokens_per_s = len(stats.step_times) / decode_time
+            stats.host_overhead_share = max(0.0, 1.0 - decode_exec / decode_time)
+        self.stats = stats
+        return torch.tensor(out, dtype=torch.long).unsqueeze(0)
+
+    def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
+        """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        out = self.generate(torch.tensor(ids), **kwargs)
+        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_p, generator) -> int:
+    if not do_sample:
+        return int(torch.argmax(logits))
+    if temperature <= 0:
+        raise InvalidInputError(f"temperature must be > 0 when sampling; got {temperature}")
+    scores = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_scores, dim=-1) > top_p  # keep the token that crosses top_p
+        scores[order[drop]] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _load_program(path: Path, manifest: Manifest):
+    """Load the .pte with the QNN backend and the CPU kernels its embedding lookups need."""
+    import platform
+
+    from optimum_qnn.sdk import ensure_qnn_sdk
+
+    if manifest.contract.weight_sharing and platform.machine() == "x86_64":
+        raise OptimumQnnError(
+            f"{path} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
+            "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
+        )
+    ensure_qnn_sdk()
+    import executorch.kernels.quantized  # noqa: F401  (registers quantized_decomposed::embedding_* kernels)
+    from executorch.runtime import Runtime
+
+    try:
+        return Runtime.get().load_program(path)
+    except (RuntimeError, ValueError) as e:
+        raise OptimumQnnError(f"Cannot load {path} ({e}); the file is corrupt or not an ExecuTorch program") from None
