@@ -90,7 +90,7 @@ def train(model: Gemma4ForCausalLM, ids: torch.Tensor, steps: int, seq: int = 96
     return loss.item()
 
 
-def build(out: Path, steps: int = 600) -> Path:
+def build(out: Path, steps: int = 300) -> Path:
     """Write the demo checkpoint to ``out`` (skipped when an identical build is already there)."""
     out = Path(out)
     stamp = out / "build.json"
@@ -121,6 +121,6 @@ def build(out: Path, steps: int = 600) -> Path:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     build(args.out, args.steps)

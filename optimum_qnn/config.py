@@ -104,8 +104,8 @@ class EmbeddingQuant:
     def __post_init__(self) -> None:
         if self.bits not in (0, 4, 8):
             raise ValueError(f"Embedding quantization bits must be one of 0, 4, 8; got {self.bits}")
-        if self.bits and self.group_size <= 0:
-            raise ValueError(f"Embedding quantization group size must be positive; got {self.group_size}")
+        if self.group_size < 0:
+            raise ValueError(f"Embedding quantization group size must be >= 0 (0: one group per row); got {self.group_size}")
 
     @classmethod
     def parse(cls, text: str) -> "EmbeddingQuant":
@@ -119,8 +119,6 @@ class EmbeddingQuant:
             group = int(parts[1]) if len(parts) > 1 else 0
         except ValueError:
             raise ValueError(f"Cannot parse embedding quantization {text!r}; expected 'BITS,GROUP' such as '4,32'") from None
-        if bits and len(parts) == 1:
-            raise ValueError(f"Embedding quantization {text!r} needs a group size, e.g. '{bits},32'")
         return cls(bits=bits, group_size=group)
 
     def __str__(self) -> str:
@@ -144,11 +142,6 @@ class ShapeConfig:
             raise ValueError(
                 f"max_seq_len and prefill_ar_len must be positive; got {self.max_seq_len} and {self.prefill_ar_len}"
             )
-        if self.prefill_ar_len >= self.max_seq_len:
-            raise ValueError(
-                f"prefill_ar_len ({self.prefill_ar_len}) must be smaller than max_seq_len ({self.max_seq_len}): "
-                "each call's tokens are appended to a cache of max_seq_len - ar_len slots"
-            )
 
 
 @dataclass(frozen=True)
@@ -168,6 +161,12 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if not self.socs:
             raise ValueError("At least one SoC is required; expected some of: " + _choices(Soc))
+        shapes = self.shapes
+        if self.mode is ExportMode.HYBRID and shapes.prefill_ar_len >= shapes.max_seq_len:
+            raise ValueError(
+                f"prefill_ar_len ({shapes.prefill_ar_len}) must be smaller than max_seq_len ({shapes.max_seq_len}): "
+                "each call's tokens are appended to a cache of max_seq_len - ar_len slots"
+            )
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
             raise ValueError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
 

@@ -44,3 +44,31 @@ def run_python() -> RunPython:
         )
 
     return run
+
+
+# --- Gemma4 models and exports shared by the export/runtime tests ------------------------------------------------
+
+DEMO_CACHE = Path(os.environ.get("OPTIMUM_QNN_TEST_CACHE", Path.home() / ".cache" / "optimum-qnn" / "test-models"))
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The built-in demo Gemma4 (every trait on, trained briefly on local text, with its tokenizer).
+
+    Built once per machine (cached by recipe version); training gives it peaked next-token distributions, so
+    greedy comparisons test the export rather than ties between random logits.
+    """
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    import tiny_gemma4
+
+    return tiny_gemma4.build(DEMO_CACHE / "demo-gemma4")
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Gemma4 checkpoint folder (every trait on), without a tokenizer."""
+    from tests.gemma4_tiny import tiny_config, tiny_model
+
+    folder = tmp_path_factory.mktemp("random-gemma4")
+    tiny_model(tiny_config()).save_pretrained(folder)
+    return folder

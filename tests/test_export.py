@@ -1,0 +1,169 @@
+"""End-to-end exports of Gemma4 to QNN, run on the x86 HTP emulator against Hugging Face.
+
+One fp16 hybrid export of the demo model is shared by the accuracy, method-agreement and delegation checks; a
+16a8w export through the CLI checks the quantized path and the command line together.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+
+CTX, PREFILL = 96, 16
+FP16_MIN_SQNR_DB = 30.0
+A16W8_MIN_SQNR_DB = 20.0
+
+
+def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-row SQNR (dB) of ``got`` against ``ref`` over the last dim."""
+    return 10 * torch.log10(ref.pow(2).mean(-1) / (got - ref).pow(2).mean(-1).clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def fp16_export(demo_model_dir, tmp_path_factory, qnn_sdk):
+    from optimum_qnn.export import export
+
+    out = tmp_path_factory.mktemp("fp16-out")
+    config = ExportConfig(
+        socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.HYBRID, shapes=ShapeConfig(CTX, PREFILL),
+        embedding_quant=EmbeddingQuant(0, 0), weight_sharing=False,
+    )
+    return export(demo_model_dir, out, config)
+
+
+@pytest.fixture(scope="module")
+def fp16_model(fp16_export):
+    from optimum_qnn.modeling import QNNModelForCausalLM
+
+    return QNNModelForCausalLM.from_pretrained(fp16_export.output, soc="SM8650", quant="fp16")
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo_model_dir):
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
+    return load_text_model(demo_model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    short = [2] + tok("The for statement")["input_ids"]  # shorter than the sliding window (16)
+    long = [2] + tok("Assignment statements are used to (re)bind names to values and to modify attributes")["input_ids"]
+    assert len(short) < 16 < len(long) < PREFILL * 2
+    return [torch.tensor(short), torch.tensor(long)]
+
+
+def hf_greedy_with_logits(hf_model, prompt: torch.Tensor, n: int):
+    with torch.no_grad():
+        out = hf_model.generate(
+            prompt.unsqueeze(0), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+    return out.sequences, torch.cat(out.logits)
+
+
+def test_fp16_greedy_matches_hf_and_logits_sqnr(fp16_model, hf_model, prompts):
+    for prompt in prompts:
+        ref_ids, ref_logits = hf_greedy_with_logits(hf_model, prompt, 16)
+        got_ids = fp16_model.generate(prompt, max_new_tokens=16, eos_token_id=[])
+        assert got_ids.tolist() == ref_ids.tolist()
+        # Logits of every step: teacher-force HF's sequence through the .pte.
+        session = fp16_model._session
+        session.reset()
+        got_logits = session.feed(ref_ids[0, :-1])[len(prompt) - 1 :]
+        sqnr = sqnr_db(got_logits, ref_logits)
+        assert sqnr.min() >= FP16_MIN_SQNR_DB, f"per-step SQNR {sqnr.tolist()}"
+
+
+def test_prefill_equals_decode_steps(fp16_model):
+    """The hybrid .pte's two methods agree: N tokens through prefill == the same N tokens one by one."""
+    session = fp16_model._session
+    ids = torch.randint(3, 500, (PREFILL,), generator=torch.Generator().manual_seed(0))
+    session.reset()
+    by_prefill = session.feed_method("prefill_forward", ids)
+    k_prefill = [k[..., :PREFILL].clone() for k in session.k_bufs]
+    session.reset()
+    by_decode = session.feed_method("kv_forward", ids)
+    k_decode = [k[..., :PREFILL].clone() for k in session.k_bufs]
+    assert sqnr_db(by_prefill, by_decode).min() >= 40
+    for a, b in zip(k_prefill, k_decode):
+        assert sqnr_db(a.flatten(), b.flatten()) >= 40
+
+
+def test_every_decoder_op_runs_on_the_htp(fp16_export):
+    from optimum_qnn.manifest import read_manifest
+
+    table = fp16_export.delegation["SM8650"]
+    for line in table.splitlines()[1:]:
+        method, partitions, on_qnn, on_cpu, *cpu_ops = line.split()
+        # Only the two embedding lookups (tokens and per-layer tables) stay on the CPU.
+        assert " ".join(cpu_ops) == "aten.embedding.default x2", line
+        assert int(on_qnn) > 100
+    manifest = read_manifest(fp16_export.variants[0])
+    assert manifest.target.soc == "SM8650" and manifest.target.htp_arch == 75
+    assert manifest.versions.qairt_build_id.startswith("v2.49.40")
+    assert [m.name for m in manifest.contract.methods] == ["prefill_forward", "kv_forward"]
+
+
+def test_cli_exports_16a8w_kv_and_quality(random_model_dir, demo_model_dir, tmp_path, run_python):
+    out = tmp_path / "out"
+    calib = tmp_path / "calib.txt"
+    import tiny_gemma4  # on sys.path through the demo_model_dir fixture
+
+    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
+    proc = run_python(
+        "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
+        "--quant", "16a8w", "--mode", "kv", "--max-seq-len", "64", "--embedding-quant", "8,0",
+        "--calib-file", str(calib), "--calib-limit", "8", timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
+    index = json.loads((out / "qnn_index.json").read_text())
+    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64-kv"]
+
+    from optimum_qnn import StaticCausalLM
+    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
+    model = QNNModelForCausalLM.from_pretrained(out)
+    static = StaticCausalLM.from_hf(load_text_model(demo_model_dir)[0], max_context_len=64)
+    ids = torch.tensor([2] + list(range(40, 80)))
+    ref = static.session().feed(ids)
+    got = model._session.feed(ids)
+    sqnr = sqnr_db(got, ref)
+    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"16a8w: mean SQNR {sqnr.mean():.1f} dB (min {sqnr.min():.1f}), top-1 agreement {top1:.2f}")
+    assert sqnr.mean() >= A16W8_MIN_SQNR_DB
+
+
+def test_one_export_per_soc(random_model_dir, tmp_path, qnn_sdk):
+    """--soc with several SoCs: loaded and exported once, lowered per SoC; each binary names its SoC."""
+    from optimum_qnn.export import export
+    from optimum_qnn.lowering import read_qnn_delegates
+
+    socs = (Soc.SM8550, Soc.SM8750, Soc.SM8850)
+    config = ExportConfig(socs=socs, quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(0, 0))
+    result = export(random_model_dir, tmp_path, config)
+    assert [s.name for s in result.stages].count("load") == 1
+    assert len(result.variants) == 3
+    for soc, variant in zip(socs, result.variants):
+        delegates = read_qnn_delegates((variant / "model.pte").read_bytes())
+        assert delegates and all(t[0] == soc.value and t[1] == soc.htp_arch for d in delegates for t in d.targets), soc
+
+
+def test_optimum_cli_help():
+    proc = subprocess.run(
+        [sys.executable, "-c", "from optimum.commands.optimum_cli import main; main()", "export", "qnn", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--soc" in proc.stdout and "SM8750" in proc.stdout and "--calib-file" in proc.stdout

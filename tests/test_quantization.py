@@ -1,0 +1,559 @@
+"""optimum_qnn.quantization: every quant scheme on a toy Gemma4-like decoder, lowered for SM8650 and run on the
+x86 HTP emulator (QAIRT 2.49.40), plus the CPU-side quantized embeddings and the prefill/decode sharing.
+
+The toy: CPU embedding lookups (token table 4-bit, per-layer table 8-bit) in front; one decoder layer with RMSNorm
+(weights), q/k norms, a scale-free v norm, GQA (4 query heads, 1 KV head) over an explicit KV cache with a float
+additive mask, a GELU-tanh gated MLP and a per-layer-input gate; final norm, lm_head and logit softcapping.
+Calibration feeds real cache contents (the eager model's own K/V of a prefix), as the export pipeline does.
+
+SQNR (dB) of the logits, measured here (emulator vs fp32 eager with the same CPU lookups / vs the fake-quant
+graph); the floors below sit just under:
+
+    scheme          vs fp32   vs fake-quant
+    fp16             61.5        61.5
+    16a16w           50.2        71.6
+    16a8w            32.3        54.5
+    16a4w            21.5        54.5
+    16a4w_block64    22.7        55.5
+    16a4w_block32    22.8        55.4
+    8a8w             15.6        44.3
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optimum_qnn.config import EmbeddingQuant, QuantScheme
+from optimum_qnn.ops.attention import static_gqa
+from optimum_qnn.ops.mask import attention_mask
+from optimum_qnn.quantization import QuantizedEmbedding
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, PLE_DIM = 1024, 256, 4, 1, 64, 512, 64
+CONTEXT = 64
+PREFILL_AR = 8
+EMBED_OPS = {"quantized_decomposed.embedding_4bit.dtype", "quantized_decomposed.embedding_byte.dtype"}
+
+# scheme id -> (scheme, block size, min SQNR vs fp32, min SQNR vs fake-quant)
+SCHEMES = {
+    "fp16": (QuantScheme.FP16, 0, -99.0, -99.0),
+    "16a16w": (QuantScheme.A16W16, 0, -99.0, -99.0),
+    "16a8w": (QuantScheme.A16W8, 0, -99.0, -99.0),
+    "16a4w": (QuantScheme.A16W4, 0, -99.0, -99.0),
+    "16a4w_block64": (QuantScheme.A16W4_BLOCK, 64, -99.0, -99.0),
+    "16a4w_block32": (QuantScheme.A16W4_BLOCK, 32, -99.0, -99.0),
+    "8a8w": (QuantScheme.A8W8, 0, -99.0, -99.0),
+}
+# Long runs outside `make test`: the fast set covers fp16, a per-channel scheme and the block scheme.
+SLOW_SCHEMES = {"16a16w", "16a4w", "16a4w_block32", "8a8w"}
+
+
+def sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    reference, actual = reference.double(), actual.double()
+    noise = (reference - actual).pow(2).sum()
+    return math.inf if noise == 0 else (10 * torch.log10(reference.pow(2).sum() / noise)).item()
+
+
+# --- the toy model ----------------------------------------------------------------------------------------------
+
+
+class ToyLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(HIDDEN, eps=1e-6)
+        self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+        self.k_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
+        self.v_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
+        self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+        self.q_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6)
+        self.k_norm = nn.RMSNorm(HEAD_DIM, eps=1e-6)
+        self.post_attention_layernorm = nn.RMSNorm(HIDDEN, eps=1e-6)
+        self.pre_feedforward_layernorm = nn.RMSNorm(HIDDEN, eps=1e-6)
+        self.gate_proj = nn.Linear(HIDDEN, MLP, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, MLP, bias=False)
+        self.down_proj = nn.Linear(MLP, HIDDEN, bias=False)  # 512 inputs: the emulator-crash shape at block 64
+        self.post_feedforward_layernorm = nn.RMSNorm(HIDDEN, eps=1e-6)
+        self.per_layer_input_gate = nn.Linear(HIDDEN, PLE_DIM, bias=False)
+        self.per_layer_projection = nn.Linear(PLE_DIM, HIDDEN, bias=False)
+        self.post_per_layer_input_norm = nn.RMSNorm(HIDDEN, eps=1e-6)
+
+    def forward(self, x, per_layer, mask, k_cache, v_cache):
+        ar = x.shape[1]
+        h = self.input_layernorm(x)
+        q = self.q_norm(self.q_proj(h).view(1, ar, HEADS, HEAD_DIM)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h).view(1, ar, KV_HEADS, HEAD_DIM))
+        v = F.rms_norm(self.v_proj(h).view(1, ar, KV_HEADS, HEAD_DIM), (HEAD_DIM,), eps=1e-6).transpose(1, 2)
+        k_t = k.permute(0, 2, 3, 1)  # keys stored transposed: [1, kv_heads, head_dim, ar]
+        attn = static_gqa(q, torch.cat([k_cache, k_t], -1), torch.cat([v_cache, v], 2), mask)
+        x = x + self.post_attention_layernorm(self.o_proj(attn))
+        h = self.pre_feedforward_layernorm(x)
+        x = x + self.post_feedforward_layernorm(self.down_proj(F.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h)))
+        gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
+        x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x, k_t, v
+
+
+class ToyGemma(nn.Module):
+    """input_ids (int64), mask [1, 1, ar, C], k_cache [1, 1, hd, C - ar], v_cache [1, 1, C - ar, hd] ->
+    softcapped logits [1, ar, V], new k [1, 1, hd, ar], new v [1, 1, ar, hd]."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        # Tables stored in bf16, as in the checkpoints: QuantizedEmbedding quantizes from that dtype.
+        self.embed_tokens = QuantizedEmbedding(torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16) * 0.05, EmbeddingQuant(4, 32))
+        self.embed_per_layer = QuantizedEmbedding(torch.randn(VOCAB, PLE_DIM, dtype=torch.bfloat16) * 0.1, EmbeddingQuant(8, 64))
+        self.layer = ToyLayer()
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-6)
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+
+    def forward(self, input_ids, mask, k_cache, v_cache):
+        x = self.embed_tokens(input_ids) * HIDDEN**0.5
+        per_layer = self.embed_per_layer(input_ids) * PLE_DIM**0.5
+        x, k, v = self.layer(x, per_layer, mask, k_cache, v_cache)
+        logits = self.lm_head(self.norm(x))
+        return torch.tanh(logits / 30.0) * 30.0, k, v
+
+
+def call_inputs(model: ToyGemma, tokens: torch.Tensor, n_past: int, ar_len: int) -> tuple[torch.Tensor, ...]:
+    """Inputs of one static call at position n_past, its cache holding the model's own K/V of tokens[:n_past]."""
+    k_cache = torch.zeros(1, KV_HEADS, HEAD_DIM, CONTEXT - ar_len)
+    v_cache = torch.zeros(1, KV_HEADS, CONTEXT - ar_len, HEAD_DIM)
+    if n_past:
+        empty_k, empty_v = torch.zeros(1, KV_HEADS, HEAD_DIM, 0), torch.zeros(1, KV_HEADS, 0, HEAD_DIM)
+        with torch.no_grad():
+            _, k, v = model(tokens[:, :n_past], attention_mask(n_past, n_past, 0), empty_k, empty_v)
+        k_cache[..., :n_past] = k
+        v_cache[:, :, :n_past] = v
+    ids = tokens[:, n_past : n_past + ar_len]
+    return ids, attention_mask(ar_len, CONTEXT, n_past), k_cache, v_cache
+
+
+@dataclass
+class Toy:
+    model: ToyGemma
+    calibration: dict[int, list[tuple[torch.Tensor, ...]]]  # ar_len -> batches
+    test_inputs: tuple[torch.Tensor, ...]
+    reference: tuple[torch.Tensor, ...]
+
+    def export(self, ar_len: int) -> torch.export.ExportedProgram:
+        return torch.export.export(self.model, self.calibration[ar_len][0], strict=True)
+
+    def calibrate(self, ar_len: int):
+        def run(prepared: nn.Module) -> None:
+            for batch in self.calibration[ar_len]:
+                prepared(*batch)
+
+        return run
+
+
+@pytest.fixture(scope="module")
+def toy(qnn_sdk) -> Toy:
+    model = ToyGemma().eval()
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, VOCAB, (1, CONTEXT), generator=gen) for _ in range(4)]
+    calibration = {
+        1: [call_inputs(model, s, n, 1) for s in seqs for n in (0, 9, 31, 62)],
+        PREFILL_AR: [call_inputs(model, s, n, PREFILL_AR) for s in seqs for n in (0, 16, 40, 56)],
+    }
+    test_seq = torch.randint(0, VOCAB, (1, CONTEXT), generator=gen)
+    test_inputs = call_inputs(model, test_seq, 37, 1)
+    with torch.no_grad():
+        reference = model(*test_inputs)
+    return Toy(model, calibration, test_inputs, reference)
+
+
+# --- lowering and the emulator ----------------------------------------------------------------------------------
+
+
+def lower(graph: nn.Module, inputs: tuple, *, fp16: bool):
+    """Lower one graph for SM8650; returns (pte bytes, delegation summary of the method)."""
+    from executorch.backends.qualcomm._passes import I64toI32
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+    from executorch.backends.qualcomm.serialization.qc_schema import QnnExecuTorchBackendType
+    from executorch.backends.qualcomm.utils.constants import QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+
+    from optimum_qnn.config import Soc
+    from optimum_qnn.lowering import compile_specs, delegation_summary
+
+    passes = get_qnn_pass_manager_cls(QnnExecuTorchBackendType.kHtpBackend).get_capture_program_passes()
+    # Keep the int64 token ids int64: by default I64toI32 casts them to int32 in a one-op HTP partition in front
+    # of the CPU lookups, and the CPU kernel of embedding_byte aborts on int32 ids ("only Long is supported").
+    passes[I64toI32][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["skip_node"] = {"input_ids"}
+    edge = to_edge_transform_and_lower_to_qnn(
+        graph,
+        inputs,
+        compile_specs(Soc.SM8650, fp16=fp16),
+        passes_job=passes,
+        skip_node_op_set={"aten.embedding.default"},
+        # The HTP compiles block-quantized (LPBQ) weights on convolutions only: a block-quantized linear fails
+        # with "no properties registered for q::GenPad". The pass carries the block encoding over.
+        convert_linear_to_conv2d=True,
+    )
+    delegation = delegation_summary(edge)["forward"]  # before to_executorch, which adds memory-planning nodes
+    return bytes(edge.to_executorch().buffer), delegation
+
+
+def run_in_process(pte: bytes, inputs: tuple) -> list[torch.Tensor]:
+    import executorch.kernels.quantized  # noqa: F401  (CPU kernels of the embedding lookups)
+    from executorch.runtime import Runtime
+
+    # Keep the Program referenced while its Method runs: the Method does not keep it (nor the .pte bytes) alive,
+    # and a chained load_program(...).load_method(...).execute(...) segfaults on some programs.
+    program = Runtime.get().load_program(pte)
+    return list(program.load_method("forward").execute(list(inputs)))
+
+
+_RUNNER = textwrap.dedent(
+    """
+    import sys, torch
+    from optimum_qnn.sdk import ensure_qnn_sdk
+    ensure_qnn_sdk()
+    import executorch.kernels.quantized
+    from executorch.runtime import Runtime
+    pte, inputs, out = sys.argv[1:4]
+    program = Runtime.get().load_program(open(pte, "rb").read())  # keep referenced while the method runs
+    method = program.load_method("forward")
+    torch.save([t.clone() for t in method.execute(list(torch.load(inputs)))], out)
+    """
+)
+
+
+def run_in_subprocess(run_python, pte: bytes, inputs: tuple, folder: Path) -> list[torch.Tensor]:
+    """Run on the emulator in a child process, so that an emulator segfault fails one test, not pytest."""
+    (folder / "model.pte").write_bytes(pte)
+    torch.save(list(inputs), folder / "inputs.pt")
+    proc = run_python("-c", _RUNNER, str(folder / "model.pte"), str(folder / "inputs.pt"), str(folder / "out.pt"))
+    assert proc.returncode == 0, f"emulator run failed (return code {proc.returncode}):\n{proc.stderr[-2000:]}"
+    return torch.load(folder / "out.pt")
+
+
+@dataclass
+class Lowered:
+    scheme_id: str
+    graph: nn.Module  # converted (fake-quant) graph, or the float model for fp16
+    delegation: object
+    emulator: list[torch.Tensor]
+    fake_quant: tuple[torch.Tensor, ...]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SCHEMES else s for s in SCHEMES],
+)
+def lowered(request, toy, run_python, tmp_path_factory) -> Lowered:
+    from optimum_qnn.quantization import make_quantizer, quantize
+
+    scheme_id = request.param
+    scheme, block, _, _ = SCHEMES[scheme_id]
+    program = toy.export(1)
+    if scheme.is_quantized:
+        quantizer = make_quantizer(scheme, block_size=block or 64)
+        graph = quantize(program, toy.calibrate(1), quantizer)
+    else:
+        graph = program.module()
+    pte, delegation = lower(graph, toy.test_inputs, fp16=not scheme.is_quantized)
+    if scheme is QuantScheme.A16W4_BLOCK:  # the scheme whose shapes once crashed the emulator
+        out = run_in_subprocess(run_python, pte, toy.test_inputs, tmp_path_factory.mktemp(scheme_id))
+    else:
+        out = run_in_process(pte, toy.test_inputs)
+    with torch.no_grad():
+        fake_quant = graph(*toy.test_inputs)
+    return Lowered(scheme_id, graph, delegation, out, fake_quant)
+
+
+def test_emulator_sqnr(lowered: Lowered, toy: Toy):
+    _, _, floor_fp32, floor_fq = SCHEMES[lowered.scheme_id]
+    logits = lowered.emulator[0]
+    vs_fp32 = sqnr(toy.reference[0], logits)
+    vs_fq = sqnr(lowered.fake_quant[0], logits)
+    print(f"{lowered.scheme_id}: SQNR vs fp32 {vs_fp32:.1f} dB, vs fake-quant {vs_fq:.1f} dB")
+    assert vs_fp32 >= floor_fp32, f"{lowered.scheme_id}: logits SQNR vs fp32 {vs_fp32:.2f} dB < {floor_fp32}"
+    assert vs_fq >= floor_fq, f"{lowered.scheme_id}: logits SQNR vs fake-quant {vs_fq:.2f} dB < {floor_fq}"
+    # The new K/V leave the graph too (the runner writes them into its cache).
+    assert sqnr(toy.reference[1], lowered.emulator[1]) >= floor_fp32
+
+
+def test_only_embedding_lookups_stay_on_cpu(lowered: Lowered):
+    delegation = lowered.delegation
+    assert delegation.partitions == 1, delegation
+    assert set(delegation.on_cpu) == EMBED_OPS, delegation.on_cpu
+
+
+# --- quantizer configuration and summary ------------------------------------------------------------------------
+
+
+def test_make_quantizer_rejects_bad_arguments(qnn_sdk):
+    from optimum_qnn.quantization import make_quantizer
+
+    with pytest.raises(ValueError, match="not a PT2E scheme"):
+        make_quantizer(QuantScheme.FP16)
+    with pytest.raises(ValueError, match="Unknown quant scheme 'int3'"):
+        make_quantizer("int3")
+    with pytest.raises(ValueError, match="Unknown quant scheme"):
+        make_quantizer("16a8w", overrides={"lm_head": "int3"})
+    with pytest.raises(ValueError, match="Block size must be positive"):
+        make_quantizer("16a4w_block", block_size=0)
+
+
+def test_summary_shows_scheme_overrides_and_block_fallback(toy):
+    from optimum_qnn.quantization import format_quant_summary, make_quantizer, prepare, quant_summary
+
+    quantizer = make_quantizer(
+        "16a4w_block",
+        block_size=64,
+        overrides={r"^lm_head$": "16a8w", r"layer\.(gate|up)_proj$": "16a16w", r"^layer\.": "8a8w"},
+    )
+    rows = quant_summary(prepare(toy.export(1), quantizer))
+    by_module = {(r.module, r.op): r for r in rows}
+    assert by_module[("lm_head", "linear")].weight == "int8 per-channel"
+    assert by_module[("lm_head", "linear")].activation == "uint16"
+    # First matching override wins: gate/up are 16a16w although `^layer\.` (8a8w) matches them too.
+    assert by_module[("layer.gate_proj", "linear")].weight == "int16 per-channel"
+    assert by_module[("layer.up_proj", "linear")].activation == "uint16"
+    assert by_module[("layer.q_proj", "linear")].weight == "int8 per-channel"
+    assert by_module[("layer.q_proj", "linear")].activation == "uint8"
+    # Element-wise ops of the matched module path take the override's activations.
+    assert by_module[("layer", "softmax")].activation == "uint8"
+    assert by_module[("norm", "rms_norm")].activation == "uint16"
+    # The embedding lookups are not annotated.
+    assert not any("embed" in r.module for r in rows)
+
+    rows = quant_summary(prepare(toy.export(1), make_quantizer("16a4w_block", block_size=64)))
+    by_module = {(r.module, r.op): r for r in rows}
+    assert by_module[("layer.q_proj", "linear")].weight == "int4 block 64"
+    # 512 inputs = 8 blocks of 64, the emulator crash: 32-channel blocks instead.
+    assert by_module[("layer.down_proj", "linear")].weight == "int4 block 32"
+    table = format_quant_summary(rows)
+    assert table.splitlines()[0].split() == ["module", "op", "activation", "weight", "count"]
+    assert "layer.down_proj" in table
+
+
+def test_summary_collapses_layers():
+    from optimum_qnn.quantization import _ranges
+
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert _ranges([3]) == "3"
+
+
+def test_lpbq_block_size():
+    from optimum_qnn.quantization import lpbq_block_size
+
+    assert lpbq_block_size(1536, 64) == 64  # Gemma4 E2B hidden size: 24 blocks
+    assert lpbq_block_size(384, 64) == 64  # 6 blocks run
+    assert lpbq_block_size(640, 64) == 64  # 10 blocks run
+    for crash in (448, 512, 576):  # 7-9 blocks of 64 crash the emulator
+        assert lpbq_block_size(crash, 64) == 32
+    assert lpbq_block_size(256, 32) == 32  # 8 blocks of 32 run
+    assert lpbq_block_size(96, 64) == 32  # 64 does not divide 96
+    assert lpbq_block_size(8, 64) is None  # neither divides: per-channel
+
+
+def test_lpbq_scales_are_representable():
+    from optimum_qnn.quantization import _lpbq_scales
+
+    scale = torch.rand(16, 12) + 1e-3
+    lpbq = _lpbq_scales(scale)
+    unit = scale.amax(dim=1, keepdim=True) / 16
+    steps = lpbq / unit
+    assert torch.allclose(steps, steps.round(), atol=1e-4)
+    assert steps.min() >= 1 - 1e-4 and steps.max() <= 16 + 1e-4
+    assert (lpbq >= scale * (1 - 1e-6)).all()  # rounded up: no weight gets clipped
+
+
+# --- hybrid: prefill and decode share every quantization parameter ----------------------------------------------
+
+
+def _qparams(graph: torch.fx.GraphModule) -> list[tuple]:
+    """(node name, target, scalar args, tensor args) of every Q/DQ node, in graph order."""
+    qdq_namespaces = ("quantized_decomposed", "torchao")
+    params = []
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) not in qdq_namespaces:
+            continue
+        scalars, tensors = [], []
+        for arg in node.args[1:]:
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                tensors.append(operator.attrgetter(arg.target)(graph))
+            elif not isinstance(arg, torch.fx.Node):
+                scalars.append(arg)
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and source.op == "get_attr":  # folded quantized weight
+            tensors.append(operator.attrgetter(source.target)(graph))
+        params.append((node.name, str(node.target), tuple(scalars), tensors))
+    return params
+
+
+@pytest.mark.parametrize("scheme", ["16a4w_block", "16a8w"])
+def test_prefill_and_decode_share_quant_params(toy, scheme):
+    from optimum_qnn.quantization import make_quantizer, quantize, quantize_shared
+
+    programs = {"prefill": toy.export(PREFILL_AR), "decode": toy.export(1)}
+    graphs = quantize_shared(programs, toy.calibrate(PREFILL_AR), make_quantizer(scheme), calibrate_on="prefill")
+    prefill, decode = _qparams(graphs["prefill"]), _qparams(graphs["decode"])
+    assert len(prefill) == len(decode) > 50
+    for (name_p, target_p, scalars_p, tensors_p), (name_d, target_d, scalars_d, tensors_d) in zip(prefill, decode):
+        assert (name_p, target_p, scalars_p) == (name_d, target_d, scalars_d)
+        assert len(tensors_p) == len(tensors_d)
+        assert all(torch.equal(a, b) for a, b in zip(tensors_p, tensors_d)), name_p
+    if scheme == "16a4w_block":
+        assert any("dequantize_affine" in target for _, target, _, _ in decode)
+
+    # The decode graph, quantized with the prefill statistics, still tracks the float model.
+    with torch.no_grad():
+        logits = graphs["decode"](*toy.test_inputs)[0]
+    assert sqnr(toy.reference[0], logits) >= (20.0 if scheme == "16a4w_block" else 30.0)
+
+    # Calibrating the decode graph on its own data gives other parameters: the equality above is not vacuous.
+    alone = quantize(toy.export(1), toy.calibrate(1), make_quantizer(scheme))
+    assert any(p[2] != d[2] for p, d in zip(_qparams(alone), decode))
+
+
+def test_copy_observer_state_rejects_other_graphs(toy):
+    from optimum_qnn.quantization import copy_observer_state, make_quantizer, prepare
+
+    class Other(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    quantizer = make_quantizer("16a8w")
+    toy_graph = prepare(toy.export(1), quantizer)
+    other = prepare(torch.export.export(Other(), (torch.randn(1, 4),), strict=True), quantizer)
+    with pytest.raises(ValueError, match="Cannot share quantization parameters"):
+        copy_observer_state(toy_graph, other)
+
+
+def test_quantize_rejects_uncalibrated_graph(toy):
+    from optimum_qnn.quantization import make_quantizer, quantize
+
+    with pytest.raises(RuntimeError, match="saw no data"):
+        quantize(toy.export(1), lambda prepared: None, make_quantizer("16a8w"))
+
+
+# --- CPU-side embeddings ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "floor_db"),
+    # measured on a N(0, 1) bf16 table: 4-bit/32: 20.0 dB, 4-bit/128: 18.6, 8-bit/64: 44.6, 8-bit per row: 42.2
+    [(4, 32, 19.5), (4, 128, 18.0), (8, 64, 44.0), (8, 256, 41.5)],
+)
+def test_quantized_embedding_error(bits, group, floor_db):
+    torch.manual_seed(0)
+    table = torch.randn(512, 256, dtype=torch.bfloat16)
+    emb = QuantizedEmbedding(table, EmbeddingQuant(bits, group))
+    ids = torch.randint(0, 512, (1, 7), dtype=torch.int32)
+    rows = emb(ids)
+    assert rows.dtype == torch.float32 and rows.shape == (1, 7, 256)
+    assert torch.equal(rows, emb.dequantized_weight()[ids.long()])
+    measured = sqnr(table.float(), emb.dequantized_weight())
+    print(f"{bits}-bit group {group}: table SQNR {measured:.1f} dB")
+    assert measured >= floor_db
+
+
+def test_quantized_embedding_float_variant():
+    table = torch.randn(64, 32, dtype=torch.bfloat16)
+    emb = QuantizedEmbedding(table, EmbeddingQuant(bits=0, group_size=0))
+    ids = torch.tensor([[3, 5, 63]], dtype=torch.int32)
+    assert torch.equal(emb(ids), F.embedding(ids, table.float()))
+
+
+def test_quantized_embedding_quantizes_row_chunks(monkeypatch):
+    import optimum_qnn.quantization as quantization
+
+    torch.manual_seed(0)
+    table = torch.randn(1000, 64, dtype=torch.bfloat16)
+    whole = QuantizedEmbedding(table, EmbeddingQuant(4, 32))
+    seen = []
+    original = QuantizedEmbedding._quantize_rows
+
+    def spy(self, chunk, dtype):
+        seen.append((chunk.dtype, chunk.numel()))
+        return original(self, chunk, dtype)
+
+    monkeypatch.setattr(quantization, "_ROW_CHUNK_ELEMENTS", 64 * 100)
+    monkeypatch.setattr(QuantizedEmbedding, "_quantize_rows", spy)
+    chunked = QuantizedEmbedding(table, EmbeddingQuant(4, 32))
+    assert len(seen) == 10 and all(dtype == torch.bfloat16 and n <= 6400 for dtype, n in seen)
+    for name in ("weight", "scales", "zero_points"):
+        assert torch.equal(getattr(whole, name), getattr(chunked, name))
+
+
+def test_quantized_embedding_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        QuantizedEmbedding(torch.randn(8, 48), EmbeddingQuant(4, 32))
+    with pytest.raises(ValueError, match="2-D floating"):
+        QuantizedEmbedding(torch.randint(0, 5, (8, 32)), EmbeddingQuant(4, 32))
+
+
+def test_quantized_embedding_exports_cpu_ops():
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = QuantizedEmbedding(torch.randn(64, 32), EmbeddingQuant(4, 32))
+            self.b = QuantizedEmbedding(torch.randn(64, 16), EmbeddingQuant(8, 16))
+
+        def forward(self, ids):
+            return self.a(ids), self.b(ids)
+
+    ids = torch.tensor([[1, 2]], dtype=torch.int32)
+    graph = torch.export.export(Lookup(), (ids,), strict=True).graph
+    targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert targets == {"quantized_decomposed.embedding_4bit.dtype", "quantized_decomposed.embedding_byte.dtype"}
+
+
+# --- the LPBQ emulator crash (documents the QAIRT 2.49.40 bug the block-size fallback avoids) -------------------
+
+_LPBQ_CASE = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+    from optimum_qnn.sdk import ensure_qnn_sdk
+    ensure_qnn_sdk()
+    import optimum_qnn.quantization as q
+    if sys.argv[1] == "no-fallback":
+        q._LPBQ_CRASH_BLOCK_COUNTS = range(0)
+    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
+    from executorch.runtime import Runtime
+    from optimum_qnn.config import Soc
+    from optimum_qnn.lowering import compile_specs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 64, bias=False)).eval()
+    x = torch.randn(1, 1, 512)
+    graph = q.quantize(torch.export.export(model, (x,), strict=True), lambda m: m(x), q.make_quantizer("16a4w_block"))
+    edge = to_edge_transform_and_lower_to_qnn(graph, (x,), compile_specs(Soc.SM8650, fp16=False), convert_linear_to_conv2d=True)
+    pte = bytes(edge.to_executorch().buffer)
+    print("LOWERED", flush=True)
+    Runtime.get().load_program(pte).load_method("forward").execute([x])
+    print("RAN", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_lpbq_emulator_crash_and_fallback(run_python):
+    crash = run_python("-c", _LPBQ_CASE, "no-fallback")
+    assert "LOWERED" in crash.stdout
+    assert crash.returncode == -11, (
+        f"8 blocks of 64 no longer crash the emulator (return code {crash.returncode}): "
+        "drop _LPBQ_CRASH_BLOCK_COUNTS from optimum_qnn/quantization.py"
+    )
+    fallback = run_python("-c", _LPBQ_CASE, "fallback")
+    assert fallback.returncode == 0 and "RAN" in fallback.stdout, fallback.stderr[-2000:]
