@@ -125,6 +125,7 @@ def export(
                 constant_methods=runner_metadata(static, config),
                 weight_sharing=config.weight_sharing and len(methods) > 1,
                 skip_ops=_CPU_OPS,
+                int64_inputs={"tokens"},
             )
             result.delegation[soc.value] = format_delegation(lowered.delegation)
         with _stage(result, f"write {soc.value}"):

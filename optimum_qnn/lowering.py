@@ -149,6 +149,7 @@ def lower_to_pte(
     weight_sharing: bool | None = None,
     shared_buffer: bool = False,
     skip_ops: Collection[str] = (),
+    int64_inputs: Collection[str] = (),
 ) -> LoweredProgram:
     """Lower one or more methods to QNN and serialize them into one .pte.
 
@@ -165,6 +166,9 @@ def lower_to_pte(
             methods (what a phone wants); pass False for artifacts that run on the x86 emulator.
         shared_buffer: see `compile_specs`; also leaves graph IO unplanned, since the runner provides it.
         skip_ops: edge op names kept on the CPU even where QNN supports them, e.g. `{"aten.embedding.default"}`.
+        int64_inputs: graph inputs that must stay int64 for the CPU ops they feed (e.g. `tokens` for the
+            quantized embedding kernels, which take only Long indices). By default QNN's lowering casts every
+            int64 input to int32 inside its delegate, and the CPU ops downstream would receive int32.
 
     Returns:
         The `LoweredProgram` (bytes + delegation summary).
@@ -204,6 +208,7 @@ def lower_to_pte(
         specs,
         constant_methods=dict(constant_methods) if constant_methods else None,
         skip_node_op_set=set(skip_ops),
+        passes_job=_passes_job(int64_inputs),
     )
     delegation = delegation_summary(edge)
     config = ExecutorchBackendConfig(
@@ -213,6 +218,19 @@ def lower_to_pte(
     )
     buffer = edge.to_executorch(config).buffer
     return LoweredProgram(buffer=bytes(buffer), delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+
+
+def _passes_job(int64_inputs: Collection[str]):
+    """ExecuTorch's default QNN pass list, with `I64toI32` told to leave ``int64_inputs`` alone."""
+    if not int64_inputs:
+        return None
+    from executorch.backends.qualcomm._passes import I64toI32
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+    from executorch.backends.qualcomm.utils.constants import QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY
+
+    job = get_qnn_pass_manager_cls().get_capture_program_passes()  # the HTP pass list
+    job[I64toI32][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["skip_node"] = frozenset(int64_inputs)
+    return job
 
 
 def _as_module_and_inputs(name: str, source: MethodSource) -> tuple[torch.nn.Module, tuple[Any, ...]]:
