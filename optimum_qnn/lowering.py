@@ -19,11 +19,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 import operator
 import re
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
@@ -202,22 +206,68 @@ def lower_to_pte(
     spec = compile_specs(soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer)
     specs = {name: spec for name in programs}
     logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
-    edge = to_edge_transform_and_lower_to_qnn(
-        modules,
-        inputs,
-        specs,
-        constant_methods=dict(constant_methods) if constant_methods else None,
-        skip_node_op_set=set(skip_ops),
-        passes_job=_passes_job(int64_inputs),
-    )
-    delegation = delegation_summary(edge)
-    config = ExecutorchBackendConfig(
-        # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
-        passes=[BuildQuantIo()],
-        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=not shared_buffer, alloc_graph_output=not shared_buffer),
-    )
-    buffer = edge.to_executorch(config).buffer
+    with quiet_native_output() as native_log:
+        edge = to_edge_transform_and_lower_to_qnn(
+            modules,
+            inputs,
+            specs,
+            constant_methods=dict(constant_methods) if constant_methods else None,
+            skip_node_op_set=set(skip_ops),
+            passes_job=_passes_job(int64_inputs),
+        )
+        delegation = delegation_summary(edge)
+        config = ExecutorchBackendConfig(
+            # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
+            passes=[BuildQuantIo()],
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=not shared_buffer, alloc_graph_output=not shared_buffer),
+        )
+        buffer = edge.to_executorch(config).buffer
+    logger.debug("QNN compiler output:\n%s", native_log.text)
     return LoweredProgram(buffer=bytes(buffer), delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+
+
+class _NativeLog:
+    text: str = ""
+
+
+@contextlib.contextmanager
+def quiet_native_output() -> Iterator[_NativeLog]:
+    """Collect what the QNN compiler prints (per-op INFO lines, progress bars written straight to the process's
+    stdout/stderr by the C++ libraries) instead of flooding the terminal; re-emit it if lowering fails.
+
+    Python loggers of executorch are held at WARNING meanwhile (it configures INFO logging of every partitioned op).
+    """
+    log = _NativeLog()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    root = logging.getLogger()
+    level = root.level
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        root.setLevel(max(level, logging.WARNING))
+        try:
+            yield log
+        except BaseException:
+            _restore(saved)
+            sink.seek(0)
+            sys.stderr.write(sink.read()[-20000:].decode(errors="replace"))
+            raise
+        finally:
+            root.setLevel(level)
+            _restore(saved)
+            os.close(saved[0])
+            os.close(saved[1])
+        sink.seek(0)
+        log.text = sink.read().decode(errors="replace")
+
+
+def _restore(saved: tuple[int, int]) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(saved[0], 1)
+    os.dup2(saved[1], 2)
 
 
 def _passes_job(int64_inputs: Collection[str]):
