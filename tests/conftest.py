@@ -72,3 +72,28 @@ def random_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("random-gemma4")
     tiny_model(tiny_config()).save_pretrained(folder)
     return folder
+
+
+FP16_CTX, FP16_PREFILL = 96, 16
+
+
+@pytest.fixture(scope="session")
+def fp16_export(demo_model_dir, tmp_path_factory, qnn_sdk):
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.export import export
+
+    out = tmp_path_factory.mktemp("fp16-out")
+    config = ExportConfig(
+        socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.HYBRID, shapes=ShapeConfig(FP16_CTX, FP16_PREFILL),
+        embedding_quant=EmbeddingQuant(0, 0), weight_sharing=False,
+    )
+    return export(demo_model_dir, out, config)
+
+
+@pytest.fixture(scope="session")
+def fp16_model(fp16_export):
+    from optimum_qnn.modeling import QNNModelForCausalLM
+
+    return QNNModelForCausalLM.from_pretrained(fp16_export.output, soc="SM8650", quant="fp16")
+
+

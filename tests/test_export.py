@@ -15,7 +15,8 @@ import torch
 
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 
-CTX, PREFILL = 96, 16
+from tests.conftest import FP16_CTX as CTX, FP16_PREFILL as PREFILL
+
 FP16_MIN_SQNR_DB = 30.0
 A16W8_MIN_SQNR_DB = 20.0
 
@@ -23,25 +24,6 @@ A16W8_MIN_SQNR_DB = 20.0
 def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Per-row SQNR (dB) of ``got`` against ``ref`` over the last dim."""
     return 10 * torch.log10(ref.pow(2).mean(-1) / (got - ref).pow(2).mean(-1).clamp_min(1e-30))
-
-
-@pytest.fixture(scope="module")
-def fp16_export(demo_model_dir, tmp_path_factory, qnn_sdk):
-    from optimum_qnn.export import export
-
-    out = tmp_path_factory.mktemp("fp16-out")
-    config = ExportConfig(
-        socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.HYBRID, shapes=ShapeConfig(CTX, PREFILL),
-        embedding_quant=EmbeddingQuant(0, 0), weight_sharing=False,
-    )
-    return export(demo_model_dir, out, config)
-
-
-@pytest.fixture(scope="module")
-def fp16_model(fp16_export):
-    from optimum_qnn.modeling import QNNModelForCausalLM
-
-    return QNNModelForCausalLM.from_pretrained(fp16_export.output, soc="SM8650", quant="fp16")
 
 
 @pytest.fixture(scope="module")
