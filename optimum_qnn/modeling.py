@@ -260,6 +260,7 @@ def _load_program(path: Path, manifest: Manifest):
             f"{path} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
             "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
         )
+    check_pte_structure(path)
     ensure_qnn_sdk()
     import executorch.kernels.quantized  # noqa: F401  (registers quantized_decomposed::embedding_* kernels)
     from executorch.runtime import Runtime
@@ -268,3 +269,22 @@ def _load_program(path: Path, manifest: Manifest):
         return Runtime.get().load_program(path)
     except (RuntimeError, ValueError) as e:
         raise OptimumQnnError(f"Cannot load {path} ({e}); the file is corrupt or not an ExecuTorch program") from None
+
+
+def check_pte_structure(path: Path) -> None:
+    """Refuse a file that is not a whole ExecuTorch program before the runtime parses it.
+
+    ExecuTorch's loader trusts the sizes in the file and crashes the process on a truncated one, so the header
+    (file identifier ``ET..``, extended header ``eh00`` with the program and segment sizes) is checked here.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(40)
+    bad = OptimumQnnError(f"{path} is corrupt or not an ExecuTorch program (bad or truncated header); export it again")
+    if len(head) < 40 or head[4:6] != b"ET" or head[8:12] != b"eh00":
+        raise bad
+    program_size = int.from_bytes(head[16:24], "little")
+    segment_base = int.from_bytes(head[24:32], "little")
+    segment_size = int.from_bytes(head[32:40], "little")
+    if program_size > size or (segment_size and segment_base + segment_size > size):
+        raise bad
