@@ -214,6 +214,9 @@ def lower_to_pte(
             constant_methods=dict(constant_methods) if constant_methods else None,
             skip_node_op_set=set(skip_ops),
             passes_job=_passes_job(int64_inputs),
+            # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
+            # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
+            convert_linear_to_conv2d=True,
         )
         delegation = delegation_summary(edge)
         config = ExecutorchBackendConfig(

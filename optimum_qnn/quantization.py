@@ -23,8 +23,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -76,28 +79,96 @@ def _module_path(node: torch.fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def _make_rule_class():
-    # QuantizationStrategy imports executorch's Qualcomm quantizer, which needs QNN_SDK_ROOT: build lazily.
-    from executorch.backends.qualcomm.quantizer.quant_recipe import QuantizationStrategy
+# The HTP stores a block-quantized (LPBQ) weight as int4 values, one float scale per output channel and, per
+# block, a 4-bit integer multiplier in [1, 16] of that scale / 16 (see `make_qnn_per_block_config` in
+# executorch/backends/qualcomm/builders/node_visitor.py).
+_LPBQ_SCALE_STEPS = 16
 
-    class _Rule(QuantizationStrategy):
+
+def _lpbq_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Round per-block scales `[out, blocks, ...]` up to what LPBQ can store: integer multiples of channel max / 16.
+
+    Rounding up never clips a weight; the quantized weights are then computed with these exact scales, so the
+    fake-quant model and the compiled graph agree (with float block scales they differ by up to 30 % per block).
+    """
+    flat = scale.reshape(scale.shape[0], -1)
+    unit = flat.amax(dim=1, keepdim=True) / _LPBQ_SCALE_STEPS
+    steps = torch.clamp(torch.ceil(flat / unit - 1e-4), 1, _LPBQ_SCALE_STEPS)
+    return (steps * unit).reshape(scale.shape).to(scale.dtype)
+
+
+# The x86 HTP emulator of QAIRT 2.49.40 (libQnnHtp.so from onnxruntime-qnn 2.5.0) segfaults, in an HVX worker
+# thread on the first execution, on an LPBQ conv whose input channels form 7, 8 or 9 blocks of 48 channels or more
+# (512 = 8 x 64, 448, 576; 1024 = 8 x 128; ...), for SM8550, SM8650 and SM8750 alike. 6 or >= 10 such blocks, and
+# any number of 32-channel blocks, run and match the fake-quant model. Those weights get 32-channel blocks.
+_LPBQ_CRASH_BLOCK_COUNTS = range(7, 10)
+_LPBQ_SAFE_BLOCK = 32
+
+
+def lpbq_block_size(in_features: int, block_size: int) -> int | None:
+    """The block size `16a4w_block` uses for a weight with `in_features` input channels.
+
+    Returns:
+        `block_size`; or 32 when `block_size` would make 7-9 blocks (the emulator crash above); or None (the
+        weight stays 4-bit per-channel) when neither block size divides `in_features`.
+    """
+    for block in dict.fromkeys((block_size, _LPBQ_SAFE_BLOCK)):
+        if in_features % block:
+            continue
+        if block > _LPBQ_SAFE_BLOCK and in_features // block in _LPBQ_CRASH_BLOCK_COUNTS:
+            continue
+        return block
+    return None
+
+
+def _in_features(node: torch.fx.Node) -> int:
+    weight = node.args[1]
+    value = weight.meta.get("val")
+    if value is None:  # a get_attr node of a graph module that was not re-traced
+        value = operator.attrgetter(weight.target)(weight.graph.owning_module)
+    return value.shape[1]
+
+
+@functools.cache
+def _recipe_classes():
+    # Built lazily: executorch's Qualcomm quantizer modules need QNN_SDK_ROOT at import.
+    from executorch.backends.qualcomm.quantizer.observers.per_block_param_observer import PerBlockParamObserver
+    from executorch.backends.qualcomm.quantizer.quant_recipe import QuantGranularity, QuantizationStrategy
+
+    class LpbqObserver(PerBlockParamObserver):
+        """ExecuTorch's per-block weight observer with scales the HTP's LPBQ encoding represents exactly."""
+
+        def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+            scale, zero_point = super().calculate_qparams()
+            return _lpbq_scales(scale), zero_point
+
+    class Rule(QuantizationStrategy):
         """Match by op target AND (optionally) by a regex searched in the node's module path.
 
         ExecuTorch's `ByNameRegex` matches every op of a module, which breaks per-channel rules on modules that
         also hold element-wise ops (`layers.0.` would hand a per-channel config to an `add`).
         """
 
-        def __init__(self, *, targets, pattern, **kwargs):
+        def __init__(self, *, targets, pattern, accept=None, **kwargs):
             super().__init__(**kwargs)
             self.targets = targets
             self.pattern = re.compile(pattern) if pattern is not None else None
+            self.accept = accept
+            if self.granularity == QuantGranularity.PER_BLOCK:
+                for config in self.quant_config.per_block_quant_config_list:
+                    keywords = config.weight.observer_or_fake_quant_ctr.p.keywords
+                    config.weight = dataclasses.replace(
+                        config.weight, observer_or_fake_quant_ctr=LpbqObserver.with_args(**keywords)
+                    )
 
         def _matches(self, node: torch.fx.Node) -> bool:
             if node.op != "call_function" or node.target not in self.targets:
                 return False
-            return self.pattern is None or bool(self.pattern.search(_module_path(node)))
+            if self.pattern is not None and not self.pattern.search(_module_path(node)):
+                return False
+            return self.accept is None or self.accept(node)
 
-    return _Rule
+    return Rule, LpbqObserver
 
 
 def _scheme_rules(rule_cls, scheme: QuantScheme, block_size: int, supported_ops, pattern, priority, note):
@@ -115,25 +186,34 @@ def _scheme_rules(rule_cls, scheme: QuantScheme, block_size: int, supported_ops,
     )
     rules = []
     weight_ops = WEIGHT_OPS & supported_ops
+    per_channel = None
     if scheme is QuantScheme.A16W4_BLOCK:
-        # One rule (hence one observer constructor) per op: the annotator writes the block size into the
-        # shared observer constructor, so linear (2-D) and conv2d (4-D) weights cannot share a rule.
+        # One rule (hence one observer constructor) per op and block size: the annotator writes the block size
+        # into the rule's shared observer constructor, so weights of different block shapes cannot share a rule.
         for op, rank in _BLOCK_RANK.items():
-            block = (1, block_size) + (1,) * (rank - 2)
-            rules.append(
-                rule_cls(
-                    targets={op},
-                    pattern=pattern,
-                    granularity=QuantGranularity.PER_BLOCK,
-                    extra_kwargs={"block_size": block},
-                    **common,
+            for block in dict.fromkeys((block_size, _LPBQ_SAFE_BLOCK)):
+                rules.append(
+                    rule_cls(
+                        targets={op},
+                        pattern=pattern,
+                        accept=lambda node, block=block: lpbq_block_size(_in_features(node), block_size) == block,
+                        granularity=QuantGranularity.PER_BLOCK,
+                        extra_kwargs={"block_size": (1, block) + (1,) * (rank - 2)},
+                        **common,
+                    )
                 )
-            )
-        weight_ops = weight_ops - set(_BLOCK_RANK)
+
+        def per_channel(node: torch.fx.Node) -> bool:  # the weights no block size fits
+            return node.target not in _BLOCK_RANK or lpbq_block_size(_in_features(node), block_size) is None
     if weight_ops:
         rules.append(
             rule_cls(
-                targets=weight_ops, pattern=pattern, granularity=QuantGranularity.PER_CHANNEL, extra_kwargs={}, **common
+                targets=weight_ops,
+                pattern=pattern,
+                accept=per_channel,
+                granularity=QuantGranularity.PER_CHANNEL,
+                extra_kwargs={},
+                **common,
             )
         )
     rules.append(
@@ -194,7 +274,7 @@ def make_quantizer(
 
     quantizer = QnnQuantizer(soc_model=getattr(QcomChipset, soc.name))
     supported = frozenset(quantizer.get_supported_ops()) - CPU_OPS
-    rule_cls = _make_rule_class()
+    rule_cls, _ = _recipe_classes()
     recipe = QuantRecipe(
         _quant_dtype(scheme), False, act_observer=MinMaxObserver, granularity=QuantGranularity.PER_TENSOR
     )
@@ -226,13 +306,14 @@ def _as_graph_module(program) -> torch.fx.GraphModule:
 
 def _observers(prepared: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, nn.Module]]:
     """(node, observer module) of every observer call, in graph order."""
-    from torchao.quantization.pt2e import ObserverOrFakeQuantize
+    # torchao's own test: per-block (affine) observers do not derive from ObserverBase.
+    from torchao.quantization.pt2e.observer import _is_activation_post_process
 
     found = []
     for node in prepared.graph.nodes:
         if node.op == "call_module":
             module = prepared.get_submodule(node.target)
-            if isinstance(module, ObserverOrFakeQuantize):
+            if _is_activation_post_process(module):
                 found.append((node, module))
     return found
 
@@ -304,7 +385,8 @@ def copy_observer_state(source: torch.fx.GraphModule, target: torch.fx.GraphModu
     keys_src = [_observer_key(n, o) for n, o in pairs_src]
     keys_dst = [_observer_key(n, o) for n, o in pairs_dst]
     if keys_src != keys_dst:
-        first = next((i for i, (a, b) in enumerate(zip(keys_src, keys_dst)) if a != b), min(len(keys_src), len(keys_dst)))
+        mismatches = (i for i, (a, b) in enumerate(zip(keys_src, keys_dst)) if a != b)
+        first = next(mismatches, min(len(keys_src), len(keys_dst)))
         a = keys_src[first] if first < len(keys_src) else "<none>"
         b = keys_dst[first] if first < len(keys_dst) else "<none>"
         raise ValueError(
@@ -380,7 +462,7 @@ class QuantRow:
     """How the ops of one module were quantized (one row of the summary table).
 
     Args:
-        module: fully qualified module path (`layers.*` when layers are collapsed; `""` is the root).
+        module: fully qualified module path (`layers.[0-3].mlp` when layers are collapsed; `""` is the root).
         op: op name, e.g. `linear`.
         activation: output activation dtype, e.g. `uint16`; `shared` when it reuses its input's encoding.
         weight: e.g. `int4 block 64`, `int8 per-channel`; `""` for ops without a weight.
@@ -420,37 +502,64 @@ def _weight_desc(spec) -> str:
     return f"{dtype} per-tensor"
 
 
+_LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)(?=\.|$)")
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], None
+    values = sorted(set(indices))
+    for i, value in enumerate(values):
+        start = value if start is None else start
+        if i + 1 == len(values) or values[i + 1] != value + 1:
+            out.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ",".join(out)
+
+
 def quant_summary(graph: torch.fx.GraphModule, *, collapse_layers: bool = True) -> list[QuantRow]:
     """Rows saying which precision each annotated op got, read from the PT2E annotations.
 
-    Works on a prepared or converted graph module (annotations survive `convert_pt2e`).
+    Works on a prepared or converted graph module (annotations survive `convert_pt2e`). Layout ops that reuse
+    their input's encoding (view, permute, ...) and unannotated ops (the CPU embedding lookups) are left out.
 
     Args:
         graph: the prepared or converted graph module.
-        collapse_layers: write `layers.<n>` as `layers.*` so repeated layers share rows.
+        collapse_layers: merge rows that differ only in the layer index, written `layers.[0-3,5].q_proj`.
 
     Returns:
         Rows in graph order, identical rows merged (their `count` summed).
     """
-    merged: dict[tuple[str, str, str, str], int] = {}
+    merged: dict[tuple[str, str, str, str], tuple[int, list[int]]] = {}
     for node in graph.graph.nodes:
         annotation = node.meta.get(_ANNOTATION_KEY)
         if node.op != "call_function" or annotation is None:
             continue
         module = _module_path(node)
-        if collapse_layers:
-            module = re.sub(r"(^|\.)layers\.\d+(?=\.|$)", r"\1layers.*", module)
+        layer = None
+        if collapse_layers and (match := _LAYER_RE.search(module)):
+            layer = int(match.group(2))
+            module = module[: match.start(2)] + "{}" + module[match.end(2) :]
         op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
         weight = ""
-        if node.target in WEIGHT_OPS and len(node.args) > 1 and node.args[1] in annotation.input_qspec_map:
-            weight = _weight_desc(annotation.input_qspec_map[node.args[1]])
-        if annotation.output_qspec is not None:
-            activation = _spec_dtype(annotation.output_qspec)
-        else:
-            activation = "-"
+        specs = list(annotation.input_qspec_map.values())
+        if node.target in WEIGHT_OPS and len(specs) > 1:
+            # Annotators map the activation first and the weight second (convert_pt2e replaces the weight
+            # node itself, so look it up by position, not by node).
+            weight = _weight_desc(specs[1])
+        activation = _spec_dtype(annotation.output_qspec) if annotation.output_qspec is not None else "-"
+        if activation == "shared" and not weight:
+            continue  # layout ops (view, permute, ...) reuse their input's encoding: nothing to report
         key = (module, op, activation, weight)
-        merged[key] = merged.get(key, 0) + 1
-    return [QuantRow(*key, count=count) for key, count in merged.items()]
+        count, layers = merged.get(key, (0, []))
+        merged[key] = (count + 1, layers + ([layer] if layer is not None else []))
+    rows = []
+    for (module, op, activation, weight), (count, layers) in merged.items():
+        if layers:
+            label = _ranges(layers)
+            module = module.replace("{}", label if "," not in label and "-" not in label else f"[{label}]")
+        rows.append(QuantRow(module, op, activation, weight, count))
+    return rows
 
 
 def format_quant_summary(rows: list[QuantRow]) -> str:
@@ -481,7 +590,7 @@ class QuantizedEmbedding(nn.Module):
     """An embedding lookup for the CPU side of the graph: weight-only quantized (4-bit or 8-bit) or float.
 
     Quantization is asymmetric per group of `group_size` columns (`group_size=0`: per row), with scales and
-    zero points in `scale_dtype`. The forward calls `quantized_decomposed::embedding_4bit.dtype` (two 4-bit
+    zero points in `out_dtype`. The forward calls `quantized_decomposed::embedding_4bit.dtype` (two 4-bit
     values per byte, the layout ExecuTorch's kernel unpacks) or `embedding_byte.dtype`; the QNN partitioner
     does not take either, so they run on the CPU (import `executorch.kernels.quantized` before loading the .pte).
     The float variant (`bits=0`) is a plain `aten.embedding`, which `make_quantizer` never annotates; keep it
@@ -493,8 +602,8 @@ class QuantizedEmbedding(nn.Module):
     Args:
         weight: the `[num_embeddings, embedding_dim]` table, any floating dtype.
         quant: bits (0, 4, 8) and group size.
-        scale_dtype: dtype of scales and zero points (float16 halves their size; float32 is exact).
-        out_dtype: dtype of the looked-up rows.
+        out_dtype: dtype of the looked-up rows, and of the scales and zero points (ExecuTorch's kernel wants zero
+            points in the output dtype, its reference op wants them in the scales' dtype).
 
     Example:
         >>> emb = QuantizedEmbedding(model.embed_tokens.weight, EmbeddingQuant(bits=4, group_size=32))
@@ -506,7 +615,6 @@ class QuantizedEmbedding(nn.Module):
         weight: torch.Tensor,
         quant: EmbeddingQuant,
         *,
-        scale_dtype: torch.dtype = torch.float16,
         out_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -530,13 +638,13 @@ class QuantizedEmbedding(nn.Module):
         packed_cols = self.embedding_dim // 2 if self.bits == 4 else self.embedding_dim
         packed = torch.empty(self.num_embeddings, packed_cols, dtype=torch.uint8 if self.bits == 4 else torch.int8)
         groups = self.embedding_dim // group
-        scales = torch.empty(self.num_embeddings, groups, dtype=scale_dtype)
-        zero_points = torch.empty(self.num_embeddings, groups, dtype=scale_dtype)
+        scales = torch.empty(self.num_embeddings, groups, dtype=out_dtype)
+        zero_points = torch.empty(self.num_embeddings, groups, dtype=out_dtype)
         rows = max(1, _ROW_CHUNK_ELEMENTS // self.embedding_dim)
         with torch.no_grad():
             for start in range(0, self.num_embeddings, rows):
                 stop = min(start + rows, self.num_embeddings)
-                q, s, z = self._quantize_rows(weight[start:stop], scale_dtype)
+                q, s, z = self._quantize_rows(weight[start:stop], out_dtype)
                 scales[start:stop] = s
                 zero_points[start:stop] = z
                 if self.bits == 4:
@@ -570,7 +678,8 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.bits == 0:
             return nn.functional.embedding(input_ids, self.weight)
-        op = torch.ops.quantized_decomposed.embedding_4bit if self.bits == 4 else torch.ops.quantized_decomposed.embedding_byte
+        ops = torch.ops.quantized_decomposed
+        op = ops.embedding_4bit if self.bits == 4 else ops.embedding_byte
         return op.dtype(
             self.weight, self.scales, self.zero_points, self.qmin, self.qmax, input_ids, dtype=self.out_dtype
         )

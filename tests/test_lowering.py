@@ -83,7 +83,8 @@ def attention_inputs(module: TinyAttention, ar_len: int, n_past: int, seed: int)
 def run_method(pte, method: str, inputs) -> list[torch.Tensor]:
     from executorch.runtime import Runtime
 
-    return list(Runtime.get().load_program(pte).load_method(method).execute(list(inputs)))
+    program = Runtime.get().load_program(pte)  # keep the Program alive while its method runs
+    return list(program.load_method(method).execute(list(inputs)))
 
 
 # --- fixtures: lowered programs ---------------------------------------------------------------------------------

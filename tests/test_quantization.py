@@ -46,6 +46,7 @@ CONTEXT = 64
 PREFILL_AR = 8
 EMBED_OPS = {"quantized_decomposed.embedding_4bit.dtype", "quantized_decomposed.embedding_byte.dtype"}
 
+
 @dataclass(frozen=True)
 class Case:
     """One quantization configuration of the matrix, with its SQNR floors (dB) for the logits."""
@@ -65,7 +66,9 @@ CASES = {
     "16a4w": Case(QuantScheme.A16W4, 10.5, 47.0, slow=True),
     "16a4w_block64": Case(QuantScheme.A16W4_BLOCK, 11.0, 51.0),
     "16a4w_block32": Case(QuantScheme.A16W4_BLOCK, 13.0, 50.5, block_size=32, slow=True),
-    "16a4w_block64+lm_head_16a8w": Case(QuantScheme.A16W4_BLOCK, 11.5, 51.0, overrides=((r"^lm_head$", "16a8w"),), slow=True),
+    "16a4w_block64+lm_head_16a8w": Case(
+        QuantScheme.A16W4_BLOCK, 11.5, 51.0, overrides=((r"^lm_head$", "16a8w"),), slow=True
+    ),
     "8a8w": Case(QuantScheme.A8W8, 16.5, 14.0, slow=True),
 }
 
@@ -109,7 +112,8 @@ class ToyLayer(nn.Module):
         attn = static_gqa(q, torch.cat([k_cache, k_t], -1), torch.cat([v_cache, v], 2), mask)
         x = x + self.post_attention_layernorm(self.o_proj(attn))
         h = self.pre_feedforward_layernorm(x)
-        x = x + self.post_feedforward_layernorm(self.down_proj(F.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h)))
+        mlp = self.down_proj(F.gelu(self.gate_proj(h), approximate="tanh") * self.up_proj(h))
+        x = x + self.post_feedforward_layernorm(mlp)
         gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
         x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return x, k_t, v
@@ -123,8 +127,10 @@ class ToyGemma(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         # Tables stored in bf16, as in the checkpoints: QuantizedEmbedding quantizes from that dtype.
-        self.embed_tokens = QuantizedEmbedding(torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16) * 0.05, EmbeddingQuant(4, 32))
-        self.embed_per_layer = QuantizedEmbedding(torch.randn(VOCAB, PLE_DIM, dtype=torch.bfloat16) * 0.1, EmbeddingQuant(8, 64))
+        tokens_table = torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16) * 0.05
+        per_layer_table = torch.randn(VOCAB, PLE_DIM, dtype=torch.bfloat16) * 0.1
+        self.embed_tokens = QuantizedEmbedding(tokens_table, EmbeddingQuant(4, 32))
+        self.embed_per_layer = QuantizedEmbedding(per_layer_table, EmbeddingQuant(8, 64))
         self.layer = ToyLayer()
         self.norm = nn.RMSNorm(HIDDEN, eps=1e-6)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
@@ -195,32 +201,15 @@ def toy(qnn_sdk) -> Toy:
 
 
 def lower(graph: nn.Module, inputs: tuple, *, fp16: bool):
-    """Lower one graph for SM8650; returns (pte bytes, delegation summary of the method)."""
-    from executorch.backends.qualcomm._passes import I64toI32
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.serialization.qc_schema import QnnExecuTorchBackendType
-    from executorch.backends.qualcomm.utils.constants import QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY
-    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
-
+    """Lower one graph for SM8650 the way the exporter does; returns (pte bytes, delegation summary of the method)."""
     from optimum_qnn.config import Soc
-    from optimum_qnn.lowering import compile_specs, delegation_summary
+    from optimum_qnn.lowering import lower_to_pte
 
-    passes = get_qnn_pass_manager_cls(QnnExecuTorchBackendType.kHtpBackend).get_capture_program_passes()
-    # Keep the int64 token ids int64: by default I64toI32 casts them to int32 in a one-op HTP partition in front
-    # of the CPU lookups, and the CPU kernel of embedding_byte aborts on int32 ids ("only Long is supported").
-    passes[I64toI32][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["skip_node"] = {"input_ids"}
-    edge = to_edge_transform_and_lower_to_qnn(
-        graph,
-        inputs,
-        compile_specs(Soc.SM8650, fp16=fp16),
-        passes_job=passes,
-        skip_node_op_set={"aten.embedding.default"},
-        # The HTP compiles block-quantized (LPBQ) weights on convolutions only: a block-quantized linear fails
-        # with "no properties registered for q::GenPad". The pass carries the block encoding over.
-        convert_linear_to_conv2d=True,
+    lowered = lower_to_pte(
+        {"forward": (graph, inputs)}, Soc.SM8650, fp16=fp16,
+        skip_ops={"aten.embedding.default"}, int64_inputs={"input_ids"},
     )
-    delegation = delegation_summary(edge)["forward"]  # before to_executorch, which adds memory-planning nodes
-    return bytes(edge.to_executorch().buffer), delegation
+    return lowered.buffer, lowered.delegation["forward"]
 
 
 def run_in_process(pte: bytes, inputs: tuple) -> list[torch.Tensor]:
@@ -266,7 +255,9 @@ class Lowered:
     fake_quant: tuple[torch.Tensor, ...]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(k, marks=[pytest.mark.slow] if c.slow else []) for k, c in CASES.items()])
+@pytest.fixture(
+    scope="module", params=[pytest.param(name, marks=[pytest.mark.slow] if c.slow else []) for name, c in CASES.items()]
+)
 def lowered(request, toy, run_python, tmp_path_factory) -> Lowered:
     from optimum_qnn.quantization import make_quantizer, quantize
 
@@ -296,9 +287,10 @@ def test_emulator_sqnr(lowered: Lowered, toy: Toy):
     vs_fq = sqnr(lowered.fake_quant[0], logits)
     # The new K/V leave the graph too (the runner writes them into its cache); K comes before most of the error.
     k_vs_fp32 = sqnr(toy.reference[1], lowered.emulator[1])
-    print(f"{lowered.scheme_id}: logits SQNR vs fp32 {vs_fp32:.1f} dB, vs fake-quant {vs_fq:.1f} dB; K vs fp32 {k_vs_fp32:.1f} dB")
-    assert vs_fp32 >= case.floor_fp32, f"{lowered.scheme_id}: logits SQNR vs fp32 {vs_fp32:.2f} dB < {case.floor_fp32}"
-    assert vs_fq >= case.floor_fake_quant, f"{lowered.scheme_id}: logits SQNR vs fake-quant {vs_fq:.2f} dB < {case.floor_fake_quant}"
+    name = lowered.scheme_id
+    print(f"{name}: logits SQNR vs fp32 {vs_fp32:.1f} dB, vs fake-quant {vs_fq:.1f} dB; K vs fp32 {k_vs_fp32:.1f} dB")
+    assert vs_fp32 >= case.floor_fp32, f"{name}: logits SQNR vs fp32 {vs_fp32:.2f} dB < {case.floor_fp32}"
+    assert vs_fq >= case.floor_fake_quant, f"{name}: logits SQNR vs fake-quant {vs_fq:.2f} dB < {case.floor_fake_quant}"
     assert k_vs_fp32 >= case.floor_fp32
 
 
@@ -416,7 +408,7 @@ def _qparams(graph: torch.fx.GraphModule) -> list[tuple]:
 SHARED_DECODE_FLOORS = {"16a4w_block": 11.0, "16a8w": 36.0}
 
 
-@pytest.mark.parametrize("scheme", ["16a4w_block", "16a8w"])
+@pytest.mark.parametrize("scheme", ["16a4w_block", pytest.param("16a8w", marks=pytest.mark.slow)])
 def test_prefill_and_decode_share_quant_params(toy, scheme):
     from optimum_qnn.quantization import make_quantizer, quantize, quantize_shared
 
@@ -559,7 +551,8 @@ _LPBQ_CASE = textwrap.dedent(
     model = nn.Sequential(nn.Linear(512, 64, bias=False)).eval()
     x = torch.randn(1, 1, 512)
     graph = q.quantize(torch.export.export(model, (x,), strict=True), lambda m: m(x), q.make_quantizer("16a4w_block"))
-    edge = to_edge_transform_and_lower_to_qnn(graph, (x,), compile_specs(Soc.SM8650, fp16=False), convert_linear_to_conv2d=True)
+    specs = compile_specs(Soc.SM8650, fp16=False)
+    edge = to_edge_transform_and_lower_to_qnn(graph, (x,), specs, convert_linear_to_conv2d=True)
     pte = bytes(edge.to_executorch().buffer)
     print("LOWERED", flush=True)
     Runtime.get().load_program(pte).load_method("forward").execute([x])
