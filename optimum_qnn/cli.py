@@ -50,6 +50,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--embedding-quant", default=str(_DEFAULTS.embedding_quant), metavar="BITS,GROUP",
         help="weight-only quantization of the CPU-side embedding tables: '4,32', '8,0' (per row) or 'none' (default: %(default)s)",
     )
+    opt.add_argument(
+        "--quant-override", action="append", default=[], metavar="REGEX=SCHEME",
+        help="keep modules whose path matches REGEX at SCHEME, e.g. 'lm_head=16a8w' (repeatable; first match wins)",
+    )
     opt.add_argument("--mode", default=_DEFAULTS.mode.value, choices=[m.value for m in ExportMode],
                      help="hybrid: prefill + decode methods in one .pte; kv: decode only (default: %(default)s)")
     opt.add_argument("--max-seq-len", type=int, default=_DEFAULTS.shapes.max_seq_len, help="context length C (default: %(default)s)")
@@ -78,7 +82,15 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len),
         embedding_quant=EmbeddingQuant.parse(args.embedding_quant),
         weight_sharing=not args.no_weight_sharing,
+        overrides=tuple(_parse_override(text) for text in args.quant_override),
     )
+
+
+def _parse_override(text: str) -> tuple[str, QuantScheme]:
+    pattern, sep, scheme = text.rpartition("=")
+    if not sep or not pattern:
+        raise ValueError(f"Cannot parse --quant-override {text!r}; expected REGEX=SCHEME such as 'lm_head=16a8w'")
+    return pattern, QuantScheme.parse(scheme)
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -157,6 +157,9 @@ class ExportConfig:
     # Hybrid graphs share one copy of the weights inside the HTP context (what a phone wants). The x86 HTP
     # emulator cannot load such a context, so artifacts meant to run on x86 turn it off.
     weight_sharing: bool = True
+    # Per-module precision overrides: (module-path regex, scheme) pairs, first match wins, e.g.
+    # (("lm_head", QuantScheme.A16W8),) keeps the output projection at 8-bit weights under a 4-bit scheme.
+    overrides: tuple[tuple[str, QuantScheme], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.socs:
@@ -167,6 +170,11 @@ class ExportConfig:
                 f"prefill_ar_len ({shapes.prefill_ar_len}) must be smaller than max_seq_len ({shapes.max_seq_len}): "
                 "each call's tokens are appended to a cache of max_seq_len - ar_len slots"
             )
+        for pattern, scheme in self.overrides:
+            if not isinstance(scheme, QuantScheme) or scheme is QuantScheme.FP16:
+                raise ValueError(f"Override {pattern!r}: expected a quantized scheme, got {scheme!r}")
+        if self.overrides and not self.quant.is_quantized:
+            raise ValueError("Quantization overrides need a quantized --quant scheme; fp16 has nothing to override")
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
             raise ValueError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
 

@@ -181,7 +181,9 @@ def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer,
 
     ensure_qnn_sdk()  # QnnQuantizer needs QNN_SDK_ROOT before executorch's Qualcomm code is imported
     contract = static.contract
-    quantizer = make_quantizer(config.quant, block_size=config.block_size, soc=config.socs[0])
+    quantizer = make_quantizer(
+        config.quant, block_size=config.block_size, soc=config.socs[0], overrides=dict(config.overrides) or None
+    )
     calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
     bos = static.text_config.bos_token_id
     if tokenizer is not None:

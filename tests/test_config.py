@@ -1,0 +1,49 @@
+"""Export configuration and CLI argument mapping: bad values name the allowed ones."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from optimum_qnn.cli import add_export_arguments, config_from_args
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    return config_from_args(parser.parse_args(["--model", "m", "--output", "o", *argv]))
+
+
+def test_defaults_and_mapping():
+    config = parse("--soc", "sm8750", "SM8550", "--quant", "16a8w", "--quant-override", "lm_head=16a16w", "--embedding-quant", "8,0")
+    assert config.socs == (Soc.SM8750, Soc.SM8550)
+    assert config.quant is QuantScheme.A16W8 and config.overrides == (("lm_head", QuantScheme.A16W16),)
+    assert config.embedding_quant == EmbeddingQuant(8, 0)
+    default = parse()
+    assert default.mode is ExportMode.HYBRID and default.quant_tag == "16a4w_block64"
+    assert default.shapes == ShapeConfig(1024, 128)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--soc", "SM9999"), "Unknown SoC 'SM9999'; expected one of: SM8550, SM8650, SM8750, SM8850"),
+        (("--quant", "3a3w"), "Unknown quant scheme '3a3w'; expected one of: fp16, 16a16w"),
+        (("--max-seq-len", "64", "--prefill-ar-len", "64"), r"prefill_ar_len \(64\) must be smaller than max_seq_len \(64\)"),
+        (("--max-seq-len", "0"), "must be positive"),
+        (("--embedding-quant", "3,32"), "bits must be one of 0, 4, 8"),
+        (("--quant-override", "lm_head"), "expected REGEX=SCHEME"),
+        (("--quant", "fp16", "--quant-override", "lm_head=16a8w"), "need a quantized --quant scheme"),
+    ],
+)
+def test_bad_values(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*argv)
+
+
+def test_kv_mode_ignores_prefill_length():
+    assert parse("--mode", "kv", "--max-seq-len", "64").mode is ExportMode.KV
+    with pytest.raises(ValueError, match="At least one SoC"):
+        ExportConfig(socs=())
