@@ -13,7 +13,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from importlib import metadata
 from pathlib import Path
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from optimum_qnn.artifacts import VariantWriter, variant_name
 from optimum_qnn.calibration import CalibrationSource, token_sequences
-from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme
+from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
@@ -153,7 +153,7 @@ def _load_tokenizer(folder: Path):
 
 def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig) -> None:
     """Replace the token and per-layer embedding tables with CPU-side (weight-only quantized) lookups."""
-    from optimum_qnn.quantization import QuantizedEmbedding
+    from optimum_qnn.embedding import QuantizedEmbedding
 
     text = static.module.model
     names = ["embed_tokens"] + (["embed_tokens_per_layer"] if text.ple_dim else [])

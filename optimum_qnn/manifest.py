@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Union
 

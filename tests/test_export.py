@@ -15,7 +15,7 @@ import torch
 
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 
-from tests.conftest import FP16_CTX as CTX, FP16_PREFILL as PREFILL
+from tests.conftest import FP16_PREFILL as PREFILL
 
 FP16_MIN_SQNR_DB = 30.0
 A16W8_MIN_SQNR_DB = 20.0

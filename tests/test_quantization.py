@@ -39,7 +39,7 @@ from torch import nn
 from optimum_qnn.config import EmbeddingQuant, QuantScheme
 from optimum_qnn.ops.attention import static_gqa
 from optimum_qnn.ops.mask import attention_mask
-from optimum_qnn.quantization import QuantizedEmbedding
+from optimum_qnn.embedding import QuantizedEmbedding
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, PLE_DIM = 1024, 256, 4, 1, 64, 512, 64
 CONTEXT = 64
