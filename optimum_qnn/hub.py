@@ -56,3 +56,48 @@ def resolve_model_folder(model: str, *, revision: str | None = None, allow_pickl
         ) from None
     except HfHubHTTPError as e:
         raise HubError(f"The Hub refused {model!r}: {e}") from None
+
+
+def download_variant(
+    repo_id: str, *, soc: str | None, quant: str | None, context_len: int | None, revision: str | None
+) -> tuple[Path, dict]:
+    """Download the variant index of ``repo_id``, pick one variant, and fetch only its files plus the shared root
+    files (config, tokenizer). Works offline from the Hugging Face cache (``HF_HUB_OFFLINE=1``).
+
+    Returns:
+        The local snapshot folder and the chosen index entry.
+    """
+    import json
+
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    from optimum_qnn.artifacts import INDEX_NAME, ROOT_FILES
+    from optimum_qnn.modeling import select_variant
+
+    try:
+        index_path = hf_hub_download(repo_id, INDEX_NAME, revision=revision)
+        entry = select_variant(json.loads(Path(index_path).read_text()), soc, quant, context_len)
+        folder = snapshot_download(
+            repo_id, revision=revision, allow_patterns=[f"{entry['path']}/*", INDEX_NAME, *ROOT_FILES]
+        )
+    except RepositoryNotFoundError:
+        raise HubError(f"Repository {repo_id!r} was not found on the Hub (or is private: log in with `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise HubError(f"Revision {revision!r} of {repo_id!r} was not found") from None
+    except EntryNotFoundError:
+        raise HubError(f"{repo_id!r} has no {INDEX_NAME}: it is not an optimum-qnn export") from None
+    except LocalEntryNotFoundError:
+        raise HubError(
+            f"{repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached (offline?); "
+            "download it once while online"
+        ) from None
+    except HfHubHTTPError as e:
+        raise HubError(f"The Hub refused {repo_id!r}: {e}") from None
+    return Path(folder), entry
