@@ -67,9 +67,12 @@ class KVSession:
         outputs = self.methods[spec.name](inputs)
         n = len(self.cache_layers)
         lo, hi = self.n_past, self.n_past + n_valid
+        # The cache has C - 1 slots: a call that fills the context to C leaves one token whose K/V no later call
+        # can read, so it is not stored.
+        keep = min(hi, self.contract.context_len - 1) - lo
         for i in range(n):
-            self.k_bufs[i][..., lo:hi] = outputs[1 + i][..., :n_valid]
-            self.v_bufs[i][:, :, lo:hi, :] = outputs[1 + n + i][:, :, :n_valid, :]
+            self.k_bufs[i][..., lo : lo + keep] = outputs[1 + i][..., :keep]
+            self.v_bufs[i][:, :, lo : lo + keep, :] = outputs[1 + n + i][:, :, :keep, :]
         self.n_past = hi
         return outputs[0][0, :n_valid]
 

@@ -54,3 +54,19 @@ def test_generate_matches_hf(name: str) -> None:
             ref = model.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32, eos_token_id=None, pad_token_id=0)
         got = static.generate(prompt, max_new_tokens=32)
         assert got.tolist() == ref.tolist()
+
+
+def test_context_filled_to_the_last_slot():
+    """Prefill chunks that end exactly at C, and a decode at position C - 1, still match Hugging Face."""
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    ctx = 32
+    static = StaticCausalLM.from_hf(model, max_context_len=ctx, ar_len=8)
+    ids = torch.randint(3, cfg.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids).logits[0]
+    by_prefill = static.session().feed_method("prefill_forward", ids[0])
+    session = static.session()
+    by_mix = torch.cat([session.feed(ids[0, : ctx - 1]), session.feed(ids[0, ctx - 1 :])])
+    for got in (by_prefill, by_mix):
+        assert (got - expected).abs().max().item() <= 1e-4
