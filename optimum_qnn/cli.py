@@ -69,6 +69,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     src_grp = parser.add_argument_group("source model")
     src_grp.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     src_grp.add_argument("--allow-pickle", action="store_true", help="accept a checkpoint with only pickle .bin weights")
+    hub_grp = parser.add_argument_group("publishing")
+    hub_grp.add_argument("--push-to-hub", metavar="REPO_ID",
+                         help="after the export, upload the artifact folder to this Hub model repo (one commit per variant)")
+    hub_grp.add_argument("--private", action="store_true", help="create the --push-to-hub repo private")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every stage")
 
 
@@ -117,4 +121,14 @@ def run_export(args: argparse.Namespace) -> int:
     print("\nStages:\n" + result.stage_table())
     for path in result.variants:
         print(f"wrote {path}")
+    if args.push_to_hub:
+        from optimum_qnn.hub import push_to_hub
+
+        try:
+            plan = push_to_hub(args.output, args.push_to_hub, private=args.private)
+        except OptimumQnnError as e:
+            print(f"error: the export is in {args.output}, but pushing it failed: {e}", file=sys.stderr)
+            return 3
+        for commit, url in zip(plan.commits, plan.commit_urls):
+            print(f"pushed {commit.variant or 'root files + README.md'}: {url}")
     return 0

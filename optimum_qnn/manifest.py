@@ -187,12 +187,17 @@ def safe_relative_path(name: str) -> PurePosixPath:
     return p
 
 
-def resolve_inside(folder: Path, name: str) -> Path:
-    """The path of manifest file ``name`` inside ``folder``; symlinks that lead outside are refused."""
+def resolve_inside(folder: Path, name: str, *, allowed_root: Path | None = None) -> Path:
+    """The path of manifest file ``name`` inside ``folder``; symlinks that lead outside are refused.
+
+    ``allowed_root`` is one more folder symlinks may lead into: a Hugging Face cache snapshot stores its files as
+    symlinks into the repo's ``blobs`` folder.
+    """
     rel = safe_relative_path(name)
     root = Path(folder).resolve()
     path = (root / rel).resolve()
-    if root != path and root not in path.parents:
+    roots = [root] + ([Path(allowed_root).resolve()] if allowed_root is not None else [])
+    if not any(r == path or r in path.parents for r in roots):
         raise ManifestError(f"File {name!r} resolves to {path}, outside the variant folder {root}")
     return path
 

@@ -58,10 +58,13 @@ def select_variant(index: dict[str, Any], soc: str | None, quant: str | None, co
     raise VariantNotFoundError(f"Several variants match soc={soc}, quant={quant}; be more specific. Available: {available}")
 
 
-def verify_files(folder: Path, manifest: Manifest) -> None:
-    """Check the size and sha256 of every file the manifest lists; a mismatch names the file."""
+def verify_files(folder: Path, manifest: Manifest, *, allowed_root: Path | None = None) -> None:
+    """Check the size and sha256 of every file the manifest lists; a mismatch names the file.
+
+    ``allowed_root``: see `resolve_inside` (the blobs folder of a Hugging Face cache snapshot).
+    """
     for entry in manifest.files:
-        path = resolve_inside(folder, entry.path)
+        path = resolve_inside(folder, entry.path, allowed_root=allowed_root)
         if not path.is_file():
             raise ManifestError(f"{entry.path} is listed in the manifest but missing from {folder}")
         if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
@@ -81,13 +84,13 @@ class QNNModelForCausalLM:
     ```
     """
 
-    def __init__(self, root: Path, variant: Path, manifest: Manifest):
+    def __init__(self, root: Path, variant: Path, manifest: Manifest, *, allowed_root: Path | None = None):
         self.root = root
         self.variant = variant
         self.manifest = manifest
         self.contract: RunnerContract = manifest.runner_contract()
         self.stats = GenerationStats()
-        self._program = _load_program(resolve_inside(variant, manifest.program.path), manifest)
+        self._program = _load_program(resolve_inside(variant, manifest.program.path, allowed_root=allowed_root), manifest)
         self._methods = {m.name: self._program.load_method(m.name) for m in self.contract.methods}
         self._session = KVSession(self.contract, {name: self._timed(m) for name, m in self._methods.items()})
         self._exec_time = 0.0
@@ -112,6 +115,7 @@ class QNNModelForCausalLM:
             revision: Hub revision to download.
         """
         path = Path(repo_or_dir)
+        blobs = None
         if path.is_dir():
             root = path
             index = read_index(root)
@@ -120,14 +124,15 @@ class QNNModelForCausalLM:
             from optimum_qnn.hub import download_variant
 
             root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision)
+            blobs = root.parent.parent / "blobs"  # <cache>/models--org--name/snapshots/<sha>: files link into blobs/
         if not (root / INDEX_NAME).is_file():
             raise VariantNotFoundError(f"{root} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
         variant = resolve_inside(root, entry["path"])
         manifest = read_manifest(variant)
-        verify_files(variant, manifest)
+        verify_files(variant, manifest, allowed_root=blobs)
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
-        return cls(root, variant, manifest)
+        return cls(root, variant, manifest, allowed_root=blobs)
 
     def _timed(self, method):
         def run(inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:

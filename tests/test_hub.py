@@ -1,0 +1,501 @@
+"""Publishing to and loading from the Hub, against a real Hub-protocol server (olah) on 127.0.0.1.
+
+olah serves git repositories from its ``mirrors-path`` (``<mirrors>/models/<org>/<name>``, any branch, tag or
+commit as revision) with ``offline = true`` so it never contacts huggingface.co. The repositories are built here
+from a real two-SoC export. Clients run in fresh processes, so ``HF_ENDPOINT`` / ``HF_HUB_OFFLINE`` / ``HF_HOME``
+take effect before huggingface_hub is imported, and every cache is a tmp folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from optimum_qnn.artifacts import INDEX_NAME
+
+ORG = "optimum-qnn-test"
+REPO = f"{ORG}/gemma4-tiny-qnn"
+PUSHED_REPO = f"{ORG}/gemma4-tiny-pushed"
+PROMPT = [2, 5, 7, 11]
+V8650 = "qnn/sm8650/fp16-ctx32-kv"
+V8750 = "qnn/sm8750/fp16-ctx32-kv"
+NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+# Run in a fresh interpreter: argv[1] is a JSON list of actions; prints one JSON result per action.
+CLIENT = r'''
+import json, os, sys
+from pathlib import Path
+
+def files_under(root):
+    root = Path(root)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink())
+
+def run(action):
+    kind = action["kind"]
+    try:
+        if kind == "load":
+            from optimum_qnn.modeling import QNNModelForCausalLM
+            model = QNNModelForCausalLM.from_pretrained(action["repo"], soc=action.get("soc"), revision=action.get("revision"))
+            out = model.generate(action["prompt"], max_new_tokens=4).reshape(-1).tolist()
+            return {"root": str(model.root), "files": files_under(model.root), "tokens": out,
+                    "soc": model.manifest.target.soc}
+        if kind == "snapshot":
+            from huggingface_hub import snapshot_download
+            root = snapshot_download(action["repo"], revision=action["revision"])
+            return {"root": root, "files": files_under(root)}
+        if kind == "refs":
+            from huggingface_hub import HfApi
+            info = HfApi().model_info(action["repo"], revision=action["revision"])
+            return {"sha": info.sha}
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    raise ValueError(kind)
+
+for action in json.loads(sys.argv[1]):
+    print("RESULT " + json.dumps(run(action)), flush=True)
+'''
+
+
+# --- the artifact and the server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifacts(random_model_dir, tmp_path_factory, qnn_sdk):
+    """A real export: ``v1`` holds the SM8650 variant only; ``full`` adds SM8750 (same folder, second export)."""
+    from optimum_qnn.config import (
+        EmbeddingQuant,
+        ExportConfig,
+        ExportMode,
+        QuantScheme,
+        ShapeConfig,
+        Soc,
+    )
+    from optimum_qnn.export import export
+    from optimum_qnn.hub import write_model_card
+
+    base = tmp_path_factory.mktemp("hub-artifacts")
+    full, v1 = base / "full", base / "v1"
+    for soc in (Soc.SM8650, Soc.SM8750):
+        config = ExportConfig(
+            socs=(soc,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4),
+            embedding_quant=EmbeddingQuant(0, 0),
+        )
+        export(random_model_dir, full, config)
+        if soc is Soc.SM8650:
+            write_model_card(full)
+            shutil.copytree(full, v1)
+    write_model_card(full)
+    return {"v1": v1, "full": full}
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env={**os.environ, **GIT_ENV}
+    ).stdout.strip()
+
+
+def _commit_tree(repo: Path, source: Path, message: str) -> str:
+    """Make the work tree of ``repo`` equal to ``source`` (minus dotfiles) and commit it; returns the sha."""
+    for child in repo.iterdir():
+        if child.name != ".git":
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    shutil.copytree(source, repo, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hub(artifacts, tmp_path_factory):
+    """olah on 127.0.0.1 serving ``REPO``: tag ``v1`` (SM8650 only), ``main`` (both SoCs), branch ``tampered``
+    (main with one byte of the SM8750 model.pte flipped)."""
+    base = tmp_path_factory.mktemp("olah")
+    mirrors = base / "mirrors"
+    repo = mirrors / "models" / REPO
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q", "-b", "main")
+    v1_sha = _commit_tree(repo, artifacts["v1"], "v1: SM8650")
+    _git(repo, "tag", "v1")
+    main_sha = _commit_tree(repo, artifacts["full"], "v2: SM8650 + SM8750")
+    _git(repo, "switch", "-q", "-c", "tampered")
+    pte = repo / V8750 / "model.pte"
+    data = bytearray(pte.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pte.write_bytes(bytes(data))
+    _git(repo, "commit", "-q", "-am", "tamper")
+    _git(repo, "switch", "-q", "main")
+
+    port = _free_port()
+    config = base / "olah.toml"
+    config.write_text(
+        "[basic]\n"
+        f'host = "127.0.0.1"\nport = {port}\n'
+        f'repos-path = "{base / "cache"}"\nmirrors-path = ["{mirrors}"]\n'
+        # Upstream points at a closed loopback port: nothing can leave this machine.
+        'hf-scheme = "http"\nhf-netloc = "127.0.0.1:9"\nhf-lfs-netloc = "127.0.0.1:9"\n'
+        f'mirror-netloc = "127.0.0.1:{port}"\nmirror-lfs-netloc = "127.0.0.1:{port}"\n'
+        "[accessibility]\noffline = true\n"
+    )
+    with open(base / "olah.out", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "olah.server", "--config", str(config), "--log-path", str(base / "logs")],
+            stdout=log, stderr=subprocess.STDOUT, cwd=base,
+        )
+        endpoint = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with NO_PROXY_OPENER.open(f"{endpoint}/api/models/{REPO}/revision/main", timeout=2) as r:
+                        assert json.load(r)["sha"] == main_sha
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"olah did not start:\n{(base / 'olah.out').read_text()}") from None
+                    time.sleep(0.3)
+            yield {"endpoint": endpoint, "mirrors": mirrors, "repo": repo, "v1_sha": v1_sha, "main_sha": main_sha}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(hub, run_python, tmp_path_factory):
+    """``client(actions, hf_home, offline=False)``: run the actions in a fresh process; returns their results."""
+    script = tmp_path_factory.mktemp("client") / "client.py"
+    script.write_text(CLIENT)
+    sdk_env = {k: os.environ[k] for k in ("QNN_SDK_ROOT", "OPTIMUM_QNN_CACHE") if k in os.environ}
+
+    def run(actions: list[dict], hf_home: Path, *, offline: bool = False) -> list[dict]:
+        env = {
+            **sdk_env,
+            "HF_HOME": str(hf_home),
+            "HF_HUB_CACHE": str(hf_home / "hub"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": "",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+            # Offline runs get a dead endpoint too: a network request would fail loudly rather than succeed.
+            "HF_ENDPOINT": "http://127.0.0.1:9" if offline else hub["endpoint"],
+            "HF_HUB_OFFLINE": "1" if offline else "0",
+        }
+        proc = run_python(str(script), json.dumps(actions), env=env, timeout=600)
+        results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        assert len(results) == len(actions), proc.stdout + proc.stderr
+        return results
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def local_tokens(artifacts, qnn_sdk):
+    """Greedy tokens of each SoC's variant, loaded from the local folder (the reference for Hub loads)."""
+    from optimum_qnn.modeling import QNNModelForCausalLM
+
+    out = {}
+    for soc in ("SM8650", "SM8750"):
+        model = QNNModelForCausalLM.from_pretrained(artifacts["full"], soc=soc)
+        out[soc] = model.generate(PROMPT, max_new_tokens=4).reshape(-1).tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf-home-shared")
+
+
+def _root_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def _variant_files(folder: Path, variant: str) -> list[str]:
+    return sorted(f"{variant}/{p.name}" for p in (folder / variant).iterdir())
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+
+
+def test_download_only_the_chosen_variant_and_generate(client, artifacts, hub, shared_cache, local_tokens):
+    (res,) = client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "main", "prompt": PROMPT}], shared_cache)
+    assert "error" not in res, res
+    full = artifacts["full"]
+    expected = sorted([*_root_files(full), *_variant_files(full, V8750)])
+    expected.remove("README.md")  # the card is not needed to run
+    assert res["files"] == expected
+    assert not any(f.startswith("qnn/sm8650") for f in res["files"])
+    assert Path(res["root"]).name == hub["main_sha"]
+    for name in res["files"]:
+        assert (Path(res["root"]) / name).read_bytes() == (full / name).read_bytes(), name
+    assert res["soc"] == "SM8750"
+    assert res["tokens"][: len(PROMPT)] == PROMPT and len(res["tokens"]) == len(PROMPT) + 4
+    assert res["tokens"] == local_tokens["SM8750"]
+
+
+def test_offline_reload_from_cache(client, shared_cache, local_tokens, tmp_path):
+    # Needs the cache filled by the test above (same module-scoped HF_HOME); fill it here if run alone.
+    if not (shared_cache / "hub").exists():
+        client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "main", "prompt": PROMPT}], shared_cache)
+    ok, missing, empty = client(
+        [
+            {"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "main", "prompt": PROMPT},
+            {"kind": "load", "repo": REPO, "soc": "SM8650", "revision": "main", "prompt": PROMPT},
+            {"kind": "load", "repo": f"{ORG}/never-downloaded", "soc": "SM8750", "revision": "main", "prompt": PROMPT},
+        ],
+        shared_cache,
+        offline=True,
+    )
+    assert "error" not in ok, ok
+    assert ok["tokens"] == local_tokens["SM8750"]
+    # A variant never downloaded is not in the cache: a clear error, not a half-empty folder.
+    assert missing["error"] == "HubError" and "cache" in missing["message"], missing
+    assert empty["error"] == "HubError" and "cache" in empty["message"] and "never-downloaded" in empty["message"], empty
+
+
+def test_revision_pinning(client, artifacts, hub, tmp_path):
+    old, old_by_sha, old_8750 = client(
+        [
+            {"kind": "load", "repo": REPO, "soc": "SM8650", "revision": "v1", "prompt": PROMPT},
+            {"kind": "load", "repo": REPO, "soc": "SM8650", "revision": hub["v1_sha"], "prompt": PROMPT},
+            {"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "v1", "prompt": PROMPT},
+        ],
+        tmp_path / "hf",
+    )
+    assert "error" not in old, old
+    assert Path(old["root"]).name == hub["v1_sha"] == Path(old_by_sha["root"]).name
+    index = Path(old["root"]) / INDEX_NAME
+    assert index.read_bytes() == (artifacts["v1"] / INDEX_NAME).read_bytes()
+    assert index.read_bytes() != (artifacts["full"] / INDEX_NAME).read_bytes()
+    assert [v["soc"] for v in json.loads(index.read_text())["variants"]] == ["SM8650"]
+    # SM8750 was added after v1: the pinned revision does not have it, and the error lists what it has.
+    assert old_8750["error"] == "VariantNotFoundError", old_8750
+    assert "SM8650/fp16/ctx32/kv" in old_8750["message"] and "SM8750/" not in old_8750["message"]
+
+
+def test_tampered_file_in_served_repo_fails_sha256(client, tmp_path):
+    (res,) = client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "tampered", "prompt": PROMPT}], tmp_path / "hf")
+    assert res["error"] == "ManifestError", res
+    assert "model.pte" in res["message"] and "sha256" in res["message"]
+
+
+def test_tampered_file_in_cache_fails_sha256(client, shared_cache, tmp_path):
+    if not (shared_cache / "hub").exists():
+        client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "main", "prompt": PROMPT}], shared_cache)
+    cache = tmp_path / "hf"
+    shutil.copytree(shared_cache, cache, symlinks=True)
+    (snapshot,) = (cache / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots").iterdir()
+    blob = (snapshot / V8750 / "model.pte").resolve()
+    assert cache in blob.parents  # the copy, never the shared cache
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 0x01
+    blob.write_bytes(bytes(data))
+    (res,) = client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "main", "prompt": PROMPT}], cache, offline=True)
+    assert res["error"] == "ManifestError", res
+    assert "model.pte" in res["message"] and "sha256" in res["message"]
+
+
+def test_not_found_errors_are_clear(client, tmp_path):
+    no_repo, no_revision, no_variant = client(
+        [
+            {"kind": "load", "repo": f"{ORG}/does-not-exist", "soc": "SM8650", "revision": "main", "prompt": PROMPT},
+            {"kind": "load", "repo": REPO, "soc": "SM8650", "revision": "no-such-branch", "prompt": PROMPT},
+            {"kind": "load", "repo": REPO, "soc": "SM8550", "revision": "main", "prompt": PROMPT},
+        ],
+        tmp_path / "hf",
+    )
+    assert no_repo["error"] == "HubError" and f"{ORG}/does-not-exist" in no_repo["message"], no_repo
+    assert no_revision["error"] == "HubError" and "no-such-branch" in no_revision["message"], no_revision
+    assert no_variant["error"] == "VariantNotFoundError", no_variant
+    assert "soc=SM8550" in no_variant["message"]
+    assert "SM8650/fp16/ctx32/kv" in no_variant["message"] and "SM8750/fp16/ctx32/kv" in no_variant["message"]
+
+
+# --- publishing -----------------------------------------------------------------------------------------------
+
+
+def test_dry_run_plan(artifacts):
+    from optimum_qnn.hub import push_to_hub
+
+    full = artifacts["full"]
+    card_before = (full / "README.md").read_bytes()
+    plan = push_to_hub(full, PUSHED_REPO, dry_run=True, commit_message="Export")
+    assert (full / "README.md").read_bytes() == card_before  # dry run writes nothing
+    root = sorted(name for name in _root_files(full) if name != INDEX_NAME)
+    assert "config.json" in root and "README.md" in root
+    assert [c.files for c in plan.commits] == [
+        tuple(root),
+        tuple(sorted([INDEX_NAME, f"{V8650}/manifest.json", f"{V8650}/model.pte"])),
+        tuple(sorted([INDEX_NAME, f"{V8750}/manifest.json", f"{V8750}/model.pte"])),
+    ]
+    assert [c.variant for c in plan.commits] == [None, V8650, V8750]
+    assert all(c.message.startswith("Export: ") for c in plan.commits)
+    assert plan.files == sorted(set(root) | {INDEX_NAME} | set(_variant_files(full, V8650)) | set(_variant_files(full, V8750)))
+    assert plan.commit_urls == []
+
+
+def test_dry_run_refuses_a_corrupt_variant(artifacts, tmp_path):
+    from optimum_qnn.hub import push_to_hub
+    from optimum_qnn.manifest import ManifestError
+
+    folder = tmp_path / "out"
+    shutil.copytree(artifacts["full"], folder)
+    pte = folder / V8650 / "model.pte"
+    data = bytearray(pte.read_bytes())
+    data[-1] ^= 0xFF  # same size, other content
+    pte.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=f"{V8650}/model.pte"):
+        push_to_hub(folder, PUSHED_REPO, dry_run=True)
+
+
+def test_model_card_metadata(artifacts, tmp_path):
+    import dataclasses
+
+    from huggingface_hub import ModelCard
+
+    from optimum_qnn.hub import model_card
+    from optimum_qnn.manifest import read_manifest
+
+    card = ModelCard((artifacts["full"] / "README.md").read_text())
+    data = card.data.to_dict()
+    assert data["library_name"] == "executorch"
+    assert data["pipeline_tag"] == "text-generation"
+    assert data["license"] == "gemma"
+    assert data["tags"] == ["executorch", "qnn", "qualcomm", "gemma4", "sm8650", "sm8750", "fp16"]
+    assert "base_model" not in data  # the source was a local folder, not a Hub id
+    for soc, arch in (("SM8650", 75), ("SM8750", 79)):
+        manifest = read_manifest(artifacts["full"] / f"qnn/{soc.lower()}/fp16-ctx32-kv")
+        assert manifest.target.htp_arch == arch
+        row = f"| `qnn/{soc.lower()}/fp16-ctx32-kv` | {soc} | v{arch} | fp16 | 32 | kv |"
+        assert row in card.text and manifest.versions.qairt_build_id in card.text
+
+    # A source given by Hub id becomes base_model.
+    folder = tmp_path / "out"
+    shutil.copytree(artifacts["full"], folder)
+    for variant in (V8650, V8750):
+        m = read_manifest(folder / variant)
+        dataclasses.replace(m, source=dataclasses.replace(m.source, model_id="google/gemma-4-e2b-it")).write(folder / variant)
+    assert ModelCard(model_card(folder)).data.base_model == "google/gemma-4-e2b-it"
+
+
+class GitHubApi:
+    """Stands in for `HfApi` in `push_to_hub`: each `create_commit` becomes a git commit in a repo olah serves."""
+
+    root: Path
+    calls: list
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, repo_id, repo_type="model", private=False, exist_ok=False):
+        self.calls.append(("create_repo", repo_id, private, exist_ok))
+        repo = self.root / "models" / repo_id
+        if not repo.exists():
+            repo.mkdir(parents=True)
+            _git(repo, "init", "-q", "-b", "main")
+
+    def create_branch(self, repo_id, branch, exist_ok=False):  # pragma: no cover - push without revision here
+        raise AssertionError("no branch expected")
+
+    def create_commit(self, repo_id, operations, commit_message, revision=None):
+        from types import SimpleNamespace
+
+        repo = self.root / "models" / repo_id
+        for op in operations:
+            target = repo / op.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with op.as_file() as f:
+                target.write_bytes(f.read())
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", commit_message)
+        sha = _git(repo, "rev-parse", "HEAD")
+        self.calls.append(("create_commit", repo_id, [op.path_in_repo for op in operations], revision))
+        return SimpleNamespace(commit_url=f"http://hub/{repo_id}/commit/{sha}", oid=sha)
+
+
+def test_push_commits_one_variant_at_a_time_and_round_trips(artifacts, hub, client, monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from optimum_qnn.hub import push_to_hub
+
+    folder = tmp_path / "out"
+    shutil.copytree(artifacts["full"], folder)
+    (folder / "README.md").unlink()  # push writes the card
+    GitHubApi.root, GitHubApi.calls = hub["mirrors"], []
+    monkeypatch.setattr(huggingface_hub, "HfApi", GitHubApi, raising=False)
+    plan = push_to_hub(folder, PUSHED_REPO, token="hf_test", private=True)
+
+    assert (folder / "README.md").read_text() == (artifacts["full"] / "README.md").read_text()
+    assert GitHubApi.calls[0] == ("create_repo", PUSHED_REPO, True, True)
+    assert [c[2] for c in GitHubApi.calls[1:]] == [list(c.files) for c in plan.commits]
+    assert len(plan.commit_urls) == 3
+    repo = hub["mirrors"] / "models" / PUSHED_REPO
+    assert _git(repo, "log", "--format=%s").splitlines() == [c.message for c in reversed(plan.commits)]
+    # After commit k the remote index lists exactly the k variants pushed so far.
+    listed = [
+        [v["path"] for v in json.loads(_git(repo, "show", f"HEAD~{n}:{INDEX_NAME}"))["variants"]] for n in (1, 0)
+    ]
+    assert listed == [[V8650], [V8650, V8750]]
+    assert "qnn_index.json" not in _git(repo, "show", "--name-only", "--format=", "HEAD~2").split()
+
+    # Download the pushed repo back through olah: byte-identical to the artifact folder.
+    (res,) = client([{"kind": "snapshot", "repo": PUSHED_REPO, "revision": "main"}], tmp_path / "hf")
+    assert "error" not in res, res
+    assert res["files"] == plan.files
+    for name in plan.files:
+        assert (Path(res["root"]) / name).read_bytes() == (folder / name).read_bytes(), name
+
+
+@pytest.mark.skipif(
+    not (os.environ.get("HF_TOKEN") and os.environ.get("OPTIMUM_QNN_TEST_REAL_HUB") == "1"),
+    reason="pushes to the real Hub: set HF_TOKEN and OPTIMUM_QNN_TEST_REAL_HUB=1",
+)
+def test_push_to_real_hub(artifacts, tmp_path):  # pragma: no cover - needs network and a token
+    import uuid
+
+    from huggingface_hub import HfApi
+
+    from optimum_qnn.hub import push_to_hub
+
+    api = HfApi(token=os.environ["HF_TOKEN"])
+    repo_id = f"{api.whoami()['name']}/optimum-qnn-test-{uuid.uuid4().hex[:8]}"
+    folder = tmp_path / "out"
+    shutil.copytree(artifacts["full"], folder)
+    try:
+        plan = push_to_hub(folder, repo_id, token=os.environ["HF_TOKEN"], private=True)
+        assert len(plan.commit_urls) == 3
+        assert sorted(api.list_repo_files(repo_id)) == sorted([*plan.files, ".gitattributes"])
+    finally:
+        api.delete_repo(repo_id, missing_ok=True)
+
+
+def test_cli_push_to_hub_arguments():
+    import argparse
+
+    from optimum_qnn.cli import add_export_arguments
+
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    args = parser.parse_args(["-m", "m", "-o", "out", "--push-to-hub", "org/name", "--private"])
+    assert (args.push_to_hub, args.private) == ("org/name", True)
+    args = parser.parse_args(["-m", "m", "-o", "out"])
+    assert (args.push_to_hub, args.private) == (None, False)
