@@ -81,6 +81,7 @@ def main() -> int:
             "SQNR dB": sqnr,
             "top-1": top1,
         })
+        print("ROW", rows[-1], flush=True)
 
     header = list(rows[0])
     fmt = {"host overhead": "{:.1%}", "top-1": "{:.2f}"}
