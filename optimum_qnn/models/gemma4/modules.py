@@ -98,6 +98,8 @@ def _swap_rotary(module: hf.Gemma4TextRotaryEmbedding, ctx: SwapContext) -> Rope
     return RopeTables(module, ctx.options.max_context_len)
 
 
+# The class is its own factory: it is built from the Hugging Face module and the swap context.
+@SWAPS.register(hf.Gemma4TextAttention)
 class StaticGemma4Attention(nn.Module):
     """Gemma4TextAttention over explicit caches.
 
@@ -157,11 +159,9 @@ class StaticGemma4Attention(nn.Module):
         return self.o_proj(out), k_full, v_full, k_new, v_new
 
 
-@SWAPS.register(hf.Gemma4TextAttention)
-def _swap_attention(module: hf.Gemma4TextAttention, ctx: SwapContext) -> StaticGemma4Attention:
-    return StaticGemma4Attention(module, ctx)
 
-
+# The class is its own factory: it is built from the Hugging Face module and the swap context.
+@SWAPS.register(hf.Gemma4TextDecoderLayer)
 class StaticGemma4DecoderLayer(nn.Module):
     """Gemma4TextDecoderLayer: attention, MLP, the per-layer-embedding gate and ``layer_scalar``."""
 
@@ -206,11 +206,9 @@ class StaticGemma4DecoderLayer(nn.Module):
         return h * self.layer_scalar, k_full, v_full, k_new, v_new
 
 
-@SWAPS.register(hf.Gemma4TextDecoderLayer)
-def _swap_layer(module: hf.Gemma4TextDecoderLayer, ctx: SwapContext) -> StaticGemma4DecoderLayer:
-    return StaticGemma4DecoderLayer(module, ctx)
 
-
+# The class is its own factory: it is built from the Hugging Face module and the swap context.
+@SWAPS.register(hf.Gemma4TextModel)
 class StaticGemma4TextModel(nn.Module):
     """Gemma4TextModel over the runner contract's inputs; returns final hidden states and the new K/V slices."""
 
@@ -274,10 +272,6 @@ class StaticGemma4TextModel(nn.Module):
                 v_out.append(v_new)
         return self.norm(h), k_out, v_out
 
-
-@SWAPS.register(hf.Gemma4TextModel)
-def _swap_text_model(module: hf.Gemma4TextModel, ctx: SwapContext) -> StaticGemma4TextModel:
-    return StaticGemma4TextModel(module, ctx)
 
 
 class StaticGemma4ForCausalLM(nn.Module):
