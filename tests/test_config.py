@@ -22,7 +22,7 @@ def test_defaults_and_mapping():
     assert config.quant is QuantScheme.A16W8 and config.overrides == (("lm_head", QuantScheme.A16W16),)
     assert config.embedding_quant == EmbeddingQuant(8, 0)
     default = parse()
-    assert default.mode is ExportMode.HYBRID and default.quant_tag == "16a4w_block64"
+    assert default.mode is ExportMode.HYBRID and default.quant_tag == "16a8w"
     assert default.shapes == ShapeConfig(1024, 128)
 
 
