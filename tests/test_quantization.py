@@ -489,7 +489,7 @@ def test_quantized_embedding_float_variant():
 
 
 def test_quantized_embedding_quantizes_row_chunks(monkeypatch):
-    import optimum_qnn.quantization as quantization
+    import optimum_qnn.embedding as embedding
 
     torch.manual_seed(0)
     table = torch.randn(1000, 64, dtype=torch.bfloat16)
@@ -501,7 +501,7 @@ def test_quantized_embedding_quantizes_row_chunks(monkeypatch):
         seen.append((chunk.dtype, chunk.numel()))
         return original(self, chunk, dtype)
 
-    monkeypatch.setattr(quantization, "_ROW_CHUNK_ELEMENTS", 64 * 100)
+    monkeypatch.setattr(embedding, "_ROW_CHUNK_ELEMENTS", 64 * 100)
     monkeypatch.setattr(QuantizedEmbedding, "_quantize_rows", spy)
     chunked = QuantizedEmbedding(table, EmbeddingQuant(4, 32))
     assert len(seen) == 10 and all(dtype == torch.bfloat16 and n <= 6400 for dtype, n in seen)
