@@ -119,6 +119,7 @@ class VariantWriter:
             raise ArtifactError(f"Cannot write to the output folder {self.output}: {e.strerror or e}") from None
         read_index(self.output)  # refuse a foreign or corrupt index before doing any work
         self._weights = None
+        self._root_files: list[str] | None = None
 
     def _weight_entries(self):
         if self._weights is None:
@@ -126,13 +127,16 @@ class VariantWriter:
         return self._weights
 
     def _write_root(self) -> list[str]:
-        copied = []
-        for name in ROOT_FILES:
-            src = self.source_folder / name
-            if src.is_file():
-                atomic_copy(src, self.output / name)
-                copied.append(name)
-        return copied
+        """Copy the shared root files once per export (every variant of a multi-SoC export shares them)."""
+        if self._root_files is None:
+            copied = []
+            for name in ROOT_FILES:
+                src = self.source_folder / name
+                if src.is_file():
+                    atomic_copy(src, self.output / name)
+                    copied.append(name)
+            self._root_files = copied
+        return self._root_files
 
     def write_variant(self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None) -> Path:
         """Write one variant atomically; returns its folder."""
