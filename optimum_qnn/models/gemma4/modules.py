@@ -23,6 +23,7 @@ from optimum_qnn.contract import AttentionKind, LayerSpec
 from optimum_qnn.errors import UnsupportedModelError
 from optimum_qnn.ops.attention import static_gqa
 from optimum_qnn.ops.rope import apply_rope, gather_rope
+from optimum_qnn.ops.softcap import softcap
 from optimum_qnn.swap import SWAPS, SwapContext
 
 # Classes that are already static-friendly and are kept as they are (coverage test reads this).
@@ -304,7 +305,7 @@ class StaticGemma4ForCausalLM(nn.Module):
         )
         logits = self.lm_head(h)
         if self.final_logit_softcapping is not None:
-            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+            logits = softcap(logits, self.final_logit_softcapping)
         return (logits, *k_new, *v_new)
 
 
