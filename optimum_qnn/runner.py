@@ -4,6 +4,10 @@ Caches are preallocated once per generation: one K buffer ``[1, kv, hd, C-1]`` a
 ``[1, kv, C-1, hd]`` per cache-owning layer (the decode method's size, the largest). A method with ar_len N
 reads the first C-N slots. After each call the host copies the new K/V slices into slots
 ``[n_past, n_past + n)`` and opens those mask columns on the next call ("smart mask": nothing ever shifts).
+
+The other inputs (tokens, positions, the two masks) are preallocated per method too. A decode step that follows
+another decode step updates its masks in place (one column opens, and with a sliding window one closes); any other
+call rewrites them from ``ops.mask.attention_mask``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
-from optimum_qnn.ops.mask import attention_mask
+from optimum_qnn.ops.mask import MASK_MIN, attention_mask
 
 MethodFn = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
@@ -37,6 +41,7 @@ class KVSession:
         self.k_bufs = [torch.zeros(dec_inputs[f"k_cache_{l.index}"].shape) for l in self.cache_layers]
         self.v_bufs = [torch.zeros(dec_inputs[f"v_cache_{l.index}"].shape) for l in self.cache_layers]
         self.n_past = 0
+        self._method_inputs: dict[str, _MethodInputs] = {}
 
     @property
     def capacity(self) -> int:
@@ -47,21 +52,21 @@ class KVSession:
         # Stale slots are never read (their mask columns stay closed), so the buffers need no clearing.
         self.n_past = 0
 
+    def _inputs_of(self, spec) -> "_MethodInputs":
+        buffers = self._method_inputs.get(spec.name)
+        if buffers is None:
+            buffers = self._method_inputs[spec.name] = _MethodInputs(spec.ar_len, self.contract.context_len, self.contract.sliding_window)
+        return buffers
+
     def _call(self, spec, chunk: torch.Tensor) -> torch.Tensor:
         """One call of ``spec`` on up to ar_len tokens (padded after the real ones); returns their logits."""
-        ar, ctx, cache_len = spec.ar_len, self.contract.context_len, spec.cache_len
+        cache_len = spec.cache_len
         n_valid = chunk.numel()
-        tokens = torch.zeros(ar, dtype=torch.int64)
-        tokens[:n_valid] = chunk
         if self.n_past > cache_len:
             raise ContextOverflowError(f"{self.n_past} tokens do not fit the {cache_len} cache slots of {spec.name}")
-        pos = torch.arange(self.n_past, self.n_past + ar, dtype=torch.int32).clamp_(max=ctx - 1).view(1, ar)
-        inputs: list[torch.Tensor] = [
-            tokens.view(1, ar),
-            attention_mask(ar, ctx, self.n_past, n_valid=n_valid),
-            attention_mask(ar, ctx, self.n_past, window=self.contract.sliding_window, n_valid=n_valid),
-            pos,
-        ]
+        buffers = self._inputs_of(spec)
+        buffers.update(chunk, self.n_past)
+        inputs: list[torch.Tensor] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
         inputs += [k[..., :cache_len] for k in self.k_bufs]
         inputs += [v[:, :, :cache_len, :] for v in self.v_bufs]
         outputs = self.methods[spec.name](inputs)
@@ -113,3 +118,41 @@ class KVSession:
         spec = self.contract.method(method)
         logits = [self._call(spec, ids[start : start + spec.ar_len]) for start in range(0, ids.numel(), spec.ar_len)]
         return torch.cat(logits, dim=0)
+
+
+class _MethodInputs:
+    """The preallocated non-cache inputs of one method: tokens, both masks and positions, updated in place."""
+
+    def __init__(self, ar_len: int, context_len: int, window: int | None):
+        self.ar_len, self.context_len, self.window = ar_len, context_len, window
+        self.tokens = torch.zeros(1, ar_len, dtype=torch.int64)
+        self.pos = torch.zeros(1, ar_len, dtype=torch.int32)
+        self.mask = torch.empty(1, 1, ar_len, context_len)
+        self.sliding_mask = torch.empty(1, 1, ar_len, context_len)
+        self._state: tuple[int, int] | None = None  # (n_past, n_valid) the masks describe
+
+    def update(self, chunk: torch.Tensor, n_past: int) -> None:
+        n_valid = chunk.numel()
+        self.tokens.zero_()
+        self.tokens[0, :n_valid] = chunk
+        torch.arange(n_past, n_past + self.ar_len, out=self.pos[0]).clamp_(max=self.context_len - 1)
+        if self.ar_len == 1 and self._state == (n_past - 1, 1):
+            self._step(n_past)
+        elif self._state != (n_past, n_valid):
+            ar, ctx = self.ar_len, self.context_len
+            self.mask.copy_(attention_mask(ar, ctx, n_past, n_valid=n_valid))
+            self.sliding_mask.copy_(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid))
+        self._state = (n_past, n_valid)
+
+    def _step(self, n_past: int) -> None:
+        """Decode masks of ``n_past - 1`` -> ``n_past``: slot ``n_past - 1`` now holds the previous token."""
+        opened = n_past - 1
+        self.mask[..., opened] = 0.0
+        if self.window is None:
+            self.sliding_mask[..., opened] = 0.0
+            return
+        if self.window > 1:
+            self.sliding_mask[..., opened] = 0.0
+        closed = n_past - self.window  # the token at n_past no longer sees slot n_past - window
+        if closed >= 0:
+            self.sliding_mask[..., closed] = MASK_MIN
