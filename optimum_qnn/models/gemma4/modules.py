@@ -60,11 +60,13 @@ class StaticRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
         # Normalise a 3-D view: QNN lowering (executorch 1.5.1) computes RmsNorm on 4-D tensors with more than one
         # row per head over the wrong axis (it lays 4-D tensors out channel-last), e.g. q/k norms of a prefill.
-        flat = x.float().reshape(1, -1, x.shape[-1])
-        return F.rms_norm(flat, (x.shape[-1],), w, self.eps).view(x.shape).type_as(x)
+        flat = x.reshape(1, -1, x.shape[-1])
+        if x.dtype == torch.float32:  # the exported graphs: no casts in them (the quantizer has no rule for casts)
+            return F.rms_norm(flat, (x.shape[-1],), self.weight, self.eps).view(x.shape)
+        w = None if self.weight is None else self.weight.float()
+        return F.rms_norm(flat.float(), (x.shape[-1],), w, self.eps).view(x.shape).to(x.dtype)
 
 
 @SWAPS.register(hf.Gemma4RMSNorm)
