@@ -16,10 +16,13 @@ An interrupted export therefore leaves nothing that looks complete, and never da
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from importlib import metadata
@@ -96,6 +99,45 @@ def read_index(output: Path) -> dict[str, Any]:
     return index
 
 
+def check_output_folder(output: Path) -> None:
+    """Create ``output`` if needed and make sure it can take an export, before any long work starts.
+
+    Also removes the staging folders of exports that were killed (their process no longer exists).
+
+    Raises:
+        ArtifactError: the folder cannot be created or written, or holds a foreign or corrupt variant index.
+    """
+    output = Path(output)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / f".write-probe-{uuid.uuid4().hex}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ArtifactError(
+            f"Cannot write to the output folder {output}: {e.strerror or e}. Choose a writable --output folder."
+        ) from None
+    read_index(output)  # refuse a foreign or corrupt index before doing any work
+    for stale in output.glob(f"{_STAGING_PREFIX}*"):
+        pid = stale.name[len(_STAGING_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            logger.info("Removing %s, left by an interrupted export", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+_STAGING_PREFIX = ".staging-"
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class VariantWriter:
     """Writes variants (and the shared root files) into one artifact folder."""
@@ -110,14 +152,7 @@ class VariantWriter:
 
     def __post_init__(self) -> None:
         self.output = Path(self.output)
-        try:
-            self.output.mkdir(parents=True, exist_ok=True)
-            probe = self.output / f".write-probe-{uuid.uuid4().hex}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise ArtifactError(f"Cannot write to the output folder {self.output}: {e.strerror or e}") from None
-        read_index(self.output)  # refuse a foreign or corrupt index before doing any work
+        check_output_folder(self.output)
         self._weights = None
         self._root_files: list[str] | None = None
 
@@ -144,7 +179,8 @@ class VariantWriter:
 
         root_files = self._write_root()
         target = self.output / name
-        staging = self.output / f".staging-{uuid.uuid4().hex}"
+        # The pid in the name lets a later export remove the folder if this process gets killed.
+        staging = self.output / f"{_STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         try:
             staging.mkdir(parents=True)
             lowered.write(staging / PROGRAM_NAME)
@@ -214,7 +250,12 @@ class VariantWriter:
 
 
 def _replace_dir(new: Path, target: Path) -> None:
-    """Put ``new`` at ``target``; an existing ``target`` is moved aside first and deleted after."""
+    """Put ``new`` at ``target``. An existing ``target`` is swapped out in one atomic exchange where the file
+    system supports it (Linux ``renameat2(RENAME_EXCHANGE)``), so a reader or a kill never sees no variant;
+    elsewhere it is moved aside first. The old folder is deleted after."""
+    if target.exists() and _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)  # ``new`` now holds the old variant
+        return
     old = None
     if target.exists():
         old = target.with_name(f".old-{target.name}-{uuid.uuid4().hex}")
@@ -222,6 +263,23 @@ def _replace_dir(new: Path, target: Path) -> None:
     os.replace(new, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths; False where the platform or file system cannot."""
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _version(dist: str) -> str:

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from optimum_qnn.artifacts import VariantWriter, variant_name
+from optimum_qnn.artifacts import VariantWriter, check_output_folder, variant_name
 from optimum_qnn.calibration import CalibrationSource, token_sequences
 from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
@@ -88,6 +88,7 @@ def export(
         The variant folders written and per-stage wall time / peak RSS.
     """
     result = ExportResult(Path(output))
+    check_output_folder(result.output)  # fail in a second, not after calibration and lowering
     with _stage(result, "load"):
         folder = resolve_model_folder(str(model), revision=revision)
         hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle)

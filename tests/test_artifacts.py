@@ -1,0 +1,148 @@
+"""optimum_qnn.artifacts: variants are written atomically, nothing is lost on bad output folders or full disks.
+
+The writer gets real `LoweredProgram` objects whose .pte bytes are placeholders: what is checked here is the
+folder logic (staging, replacement, index), not the program. Exports killed mid-way are in test_reliability.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from optimum_qnn.artifacts import INDEX_NAME, ArtifactError, VariantWriter, check_output_folder, read_index, variant_name
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+from optimum_qnn.contract import DECODE_METHOD, AttentionKind, LayerSpec, RunnerContract
+from optimum_qnn.lowering import LoweredProgram
+from optimum_qnn.manifest import read_manifest
+from optimum_qnn.models.gemma4.loading import LoadReport
+from optimum_qnn.modeling import verify_files
+
+CONFIG = ExportConfig(
+    socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(24, 4),
+    embedding_quant=EmbeddingQuant(0, 0),
+)
+CONTRACT = RunnerContract.build(
+    (LayerSpec(0, AttentionKind.FULL, 8, 1, 0, 0),), vocab_size=32, context_len=24, ar_lens={DECODE_METHOD: 1},
+    sliding_window=None,
+)
+
+
+class _TextConfig:
+    bos_token_id, eos_token_id, pad_token_id = 2, 1, 0
+
+
+def writer(output: Path, source: Path) -> VariantWriter:
+    return VariantWriter(
+        output, source_folder=source, model_id="local/tiny", revision=None,
+        load_report=LoadReport(files=["model.safetensors"]), tokenizer=None, text_config=_TextConfig(),
+    )
+
+
+def program(size: int, fill: int = 7) -> LoweredProgram:
+    return LoweredProgram(buffer=bytes([fill]) * size, delegation={}, weight_sharing=False, soc=Soc.SM8650)
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    folder = tmp_path / "source"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    return folder
+
+
+def leftovers(output: Path) -> list[str]:
+    return sorted(p.name for p in output.rglob(".*") if p.name.startswith((".staging-", ".old-")) or p.suffix == ".tmp")
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """Mounts a tmpfs of a given size and options (needs root and a machine that allows mounts)."""
+    mounted = []
+
+    def mount(size_kb: int, options: str = "") -> Path:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        opts = f"size={size_kb}k" + (f",{options}" if options else "")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"this machine does not allow a tmpfs mount: {proc.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def test_variant_written_with_manifest_and_index(tmp_path, source, qnn_sdk):
+    out = tmp_path / "out"
+    path = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
+    assert path == out / "qnn/sm8650/fp16-ctx24-kv"
+    manifest = read_manifest(path)
+    verify_files(path, manifest)
+    index = read_index(out)
+    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/fp16-ctx24-kv"]
+    assert (out / "config.json").is_file() and leftovers(out) == []
+
+
+def test_replacing_a_variant_swaps_it_whole(tmp_path, source, qnn_sdk):
+    out = tmp_path / "out"
+    name = variant_name(Soc.SM8650, CONFIG)
+    writer(out, source).write_variant(name, program(1000, fill=1), CONTRACT, CONFIG)
+    path = writer(out, source).write_variant(name, program(2000, fill=2), CONTRACT, CONFIG)
+    assert (path / "model.pte").read_bytes() == bytes([2]) * 2000
+    verify_files(path, read_manifest(path))
+    index = read_index(out)
+    assert len(index["variants"]) == 1
+    assert leftovers(out) == []
+
+
+def test_unwritable_output_folder_is_refused_up_front(tmp_path, mount_tmpfs):
+    if os.geteuid() == 0:
+        out = mount_tmpfs(64, "ro")  # root ignores permission bits: a read-only mount is the real thing
+    else:
+        out = tmp_path / "ro"
+        out.mkdir()
+        out.chmod(0o555)
+    with pytest.raises(ArtifactError, match="Cannot write to the output folder .*Choose a writable --output"):
+        check_output_folder(out / "artifacts")
+
+
+def test_full_disk_keeps_earlier_variants(tmp_path, source, mount_tmpfs, qnn_sdk):
+    out = mount_tmpfs(512)
+    first = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(100_000), CONTRACT, CONFIG)
+    index_before = (out / INDEX_NAME).read_bytes()
+    bigger = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(48, 4),
+                          embedding_quant=EmbeddingQuant(0, 0))
+    with pytest.raises(ArtifactError, match="No space left on device.*earlier variants are intact"):
+        writer(out, source).write_variant(variant_name(Soc.SM8650, bigger), program(1_000_000), CONTRACT, bigger)
+    verify_files(first, read_manifest(first))
+    assert (out / INDEX_NAME).read_bytes() == index_before
+    assert leftovers(out) == [] and not (out / "qnn/sm8650/fp16-ctx48-kv").exists()
+
+
+def test_staging_folders_of_killed_exports_are_removed(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = out / f".staging-{dead.pid}-abc"
+    live = out / f".staging-{os.getpid()}-def"  # an export running right now in another thread or process
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.pte").write_bytes(b"x")
+    check_output_folder(out)
+    assert not stale.exists() and live.exists()
+
+
+def test_foreign_index_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / INDEX_NAME).write_text(json.dumps({"format": "something-else", "variants": []}))
+    with pytest.raises(ArtifactError, match="not an optimum-qnn variant index"):
+        check_output_folder(out)
