@@ -258,7 +258,7 @@ def _load_program(path: Path, manifest: Manifest):
     """Load the .pte with the QNN backend and the CPU kernels its embedding lookups need."""
     import platform
 
-    from optimum_qnn.sdk import ensure_qnn_sdk
+    from optimum_qnn.sdk import check_runtime_can_load, ensure_qnn_sdk
 
     if manifest.contract.weight_sharing and platform.machine() == "x86_64":
         raise OptimumQnnError(
@@ -266,7 +266,8 @@ def _load_program(path: Path, manifest: Manifest):
             "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
         )
     check_pte_structure(path)
-    ensure_qnn_sdk()
+    sdk = ensure_qnn_sdk()
+    check_runtime_can_load(manifest.versions.qairt_build_id, sdk.build_id, runtime_source=sdk.source)
     import executorch.kernels.quantized  # noqa: F401  (registers quantized_decomposed::embedding_* kernels)
     from executorch.runtime import Runtime
 
