@@ -297,12 +297,18 @@ def test_x86_emulator_cannot_load_weight_shared_context(hybrid_shared_pte, run_p
     assert "Shared weights buffer isn't supported on this platform" in result.stdout + result.stderr
 
 
-def test_quantized_softcap_is_exact_on_every_row(qnn_sdk, tmp_path):
-    """Gemma4's logit soft-capping after the lm_head, quantized 16a8w with 16 rows (a prefill): every row matches the
-    fake-quant graph. The plain ``tanh(x / cap)`` form measured -8 dB on rows 2.. here; ops.softcap measured 77-79 dB."""
+# (scheme, rows) -> SQNR floor in dB; measured 57.1 / 56.4 (fp16) and 76.2 / 77.2 (16a8w) per row at worst.
+SOFTCAP_CASES = {("fp16", 1): 50.0, ("fp16", 16): 50.0, ("16a8w", 1): 70.0, ("16a8w", 16): 70.0}
+
+
+@pytest.mark.parametrize(("scheme", "rows"), list(SOFTCAP_CASES), ids=lambda v: str(v))
+def test_softcap_on_the_htp(qnn_sdk, scheme, rows):
+    """Gemma4's logit soft-capping after the lm_head, as a decode (1 row) and a prefill (16 rows), fp16 and
+    16a8w: every row matches the eager / fake-quant graph. tanh-based forms measured -2.4 dB (16a8w, rows 2..)
+    and 40.5 dB (fp16, 1 row) here; see optimum_qnn/ops/softcap.py."""
+    from optimum_qnn.config import QuantScheme
     from optimum_qnn.ops.softcap import softcap
     from optimum_qnn.quantization import make_quantizer, quantize
-    from optimum_qnn.config import QuantScheme
 
     class LmHead(nn.Module):
         def __init__(self):
@@ -315,12 +321,14 @@ def test_quantized_softcap_is_exact_on_every_row(qnn_sdk, tmp_path):
     torch.manual_seed(0)
     model = LmHead().eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(20)  # logits well into tanh's saturation, as a trained model's are
-    x = (torch.randn(1, 16, 64),)
-    converted = quantize(torch.export.export(model, x, strict=True), lambda m: m(*x), make_quantizer(QuantScheme.A16W8))
-    lowered = lower_to_pte({"forward": (converted, x)}, Soc.SM8650, fp16=False)
+        model.lm_head.weight.mul_(20)  # logits well into the saturation, as a trained model's are
+    x = (torch.randn(1, rows, 64),)
+    program = torch.export.export(model, x, strict=True)
+    fp16 = scheme == "fp16"
+    graph = program.module() if fp16 else quantize(program, lambda m: m(*x), make_quantizer(QuantScheme.parse(scheme)))
+    lowered = lower_to_pte({"forward": (graph, x)}, Soc.SM8650, fp16=fp16)
     (out,) = run_method(lowered.buffer, "forward", x)
     with torch.no_grad():
-        ref = converted(*x)[0]
+        ref = graph(*x)[0]
     sqnr = [10 * torch.log10(r.pow(2).mean() / (o - r).pow(2).mean()).item() for o, r in zip(out[0], ref)]
-    assert min(sqnr) >= 60, [round(s, 1) for s in sqnr]
+    assert min(sqnr) >= SOFTCAP_CASES[scheme, rows], [round(s, 1) for s in sqnr]

@@ -1,4 +1,4 @@
-"""Logit soft-capping, ``tanh(x / cap) * cap``, in the form the QNN HTP computes correctly (pure tensor math)."""
+"""Logit soft-capping, ``cap * tanh(x / cap)``, in the one form the QNN HTP computes correctly everywhere."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import torch
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """``cap * tanh(x / cap)``, written as a multiply by ``1 / cap``.
+    """``cap * tanh(x / cap)``, computed as ``2 * cap * sigmoid(x / (cap / 2)) - cap`` (the same function).
 
-    Quantized (16-bit activation) graphs lowered by executorch 1.5.1 with QAIRT 2.49 compute ``tanh(conv_out)`` and
-    ``tanh(conv_out / cap)`` wrongly on all rows but the first two of a ``[1, ar, V]`` prefill tensor (logits SQNR
-    -8 dB against the fake-quant graph), while ``tanh(conv_out * (1 / cap))`` is exact (78 dB). Decode (ar = 1) and
-    fp16 graphs are unaffected. ``tests/test_lowering.py::test_quantized_softcap_is_exact_on_every_row`` checks it.
+    Lowered by executorch 1.5.1 with QAIRT 2.49 and run on the x86 HTP emulator, the obvious forms fail somewhere
+    (SQNR in dB of ``[1, ar, 256]`` logits against the eager / fake-quant graph)::
+
+        form                          fp16 ar=1   fp16 ar=16   16a8w ar=1   16a8w ar=16
+        tanh(x / cap) * cap             65.3        62           78.3       -2.4 (rows 2.. wrong)
+        tanh(x * (1 / cap)) * cap       40.5        65.9         78.3       78.0
+        sigmoid(x / (cap/2)) * 2cap - cap   57.1    56.4         76.2       77.2
+
+    ``tests/test_lowering.py::test_softcap_on_the_htp`` checks all four cases.
     """
-    return torch.tanh(x * (1.0 / cap)) * cap
+    return torch.sigmoid(x / (cap / 2)) * (2 * cap) - cap
