@@ -97,7 +97,8 @@ def export(
     hybrid = config.mode is ExportMode.HYBRID
     with _stage(result, "swap"):
         static = StaticCausalLM.from_hf(
-            hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None
+            hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
+            quantized=config.quant.is_quantized,
         )
         result.swap_summary = static.report.table()
         _swap_embeddings_for_cpu(static, config)

@@ -297,15 +297,15 @@ def test_x86_emulator_cannot_load_weight_shared_context(hybrid_shared_pte, run_p
     assert "Shared weights buffer isn't supported on this platform" in result.stdout + result.stderr
 
 
-# (scheme, rows) -> SQNR floor in dB; measured 57.1 / 56.4 (fp16) and 76.2 / 77.2 (16a8w) per row at worst.
-SOFTCAP_CASES = {("fp16", 1): 50.0, ("fp16", 16): 50.0, ("16a8w", 1): 70.0, ("16a8w", 16): 70.0}
+# (scheme, rows) -> SQNR floor in dB; measured 65.3 / 62 (fp16) and 78.3 / 78.0 (16a8w) per row at worst.
+SOFTCAP_CASES = {("fp16", 1): 58.0, ("fp16", 16): 58.0, ("16a8w", 1): 70.0, ("16a8w", 16): 70.0}
 
 
 @pytest.mark.parametrize(("scheme", "rows"), list(SOFTCAP_CASES), ids=lambda v: str(v))
 def test_softcap_on_the_htp(qnn_sdk, scheme, rows):
     """Gemma4's logit soft-capping after the lm_head, as a decode (1 row) and a prefill (16 rows), fp16 and
-    16a8w: every row matches the eager / fake-quant graph. tanh-based forms measured -2.4 dB (16a8w, rows 2..)
-    and 40.5 dB (fp16, 1 row) here; see optimum_qnn/ops/softcap.py."""
+    16a8w: every row matches the eager / fake-quant graph. Each graph's form in the other precision measured
+    -2.4 dB (16a8w, rows 2..) and 40.5 dB (fp16, 1 row) here; see optimum_qnn/ops/softcap.py."""
     from optimum_qnn.config import QuantScheme
     from optimum_qnn.ops.softcap import softcap
     from optimum_qnn.quantization import make_quantizer, quantize
@@ -316,7 +316,7 @@ def test_softcap_on_the_htp(qnn_sdk, scheme, rows):
             self.lm_head = nn.Linear(64, 256, bias=False)
 
         def forward(self, h):
-            return softcap(self.lm_head(h), 30.0)
+            return softcap(self.lm_head(h), 30.0, quantized=scheme != "fp16")
 
     torch.manual_seed(0)
     model = LmHead().eval()

@@ -35,13 +35,17 @@ class StaticCausalLM:
         self.text_config = text_config
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None) -> "StaticCausalLM":
+    def from_hf(
+        cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False
+    ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
         Args:
             hf_model: the Hugging Face model; it is not modified, and its parameters are adopted, not copied.
             max_context_len: C, the static context of every method.
             ar_len: tokens per prefill call; None or 1 gives a decode-only (``kv``) contract.
+            quantized: build the graph for PT2E quantization (a few ops take another, equivalent form that the
+                HTP computes correctly when quantized; see ``ops/softcap.py``).
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -53,7 +57,7 @@ class StaticCausalLM:
         ar_lens = {DECODE_METHOD: 1}
         if ar_len is not None and ar_len > 1:
             ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: 1}
-        module, report = apply_swaps(hf_model, SWAPS, StaticOptions(max_context_len=max_context_len))
+        module, report = apply_swaps(hf_model, SWAPS, StaticOptions(max_context_len=max_context_len, quantized=quantized))
         module.eval()
         check_adoption(hf_model, module)
         contract = RunnerContract.build(

@@ -45,6 +45,8 @@ class StaticOptions:
     """Build options handed to the factories through the swap context."""
 
     max_context_len: int
+    # The graph will be PT2E-quantized: a few ops take the form the HTP computes correctly at that precision.
+    quantized: bool = False
 
 
 class StaticRMSNorm(nn.Module):
@@ -283,6 +285,7 @@ class StaticGemma4ForCausalLM(nn.Module):
 
     def __init__(self, model: nn.Module, lm_head: nn.Linear, final_logit_softcapping: float | None, ctx: SwapContext):
         super().__init__()
+        self.quantized = ctx.options.quantized
         self.model = ctx.swap(model, "model")
         # Tied to embed_tokens.weight in every Gemma4 checkpoint: adopting the module keeps the tie.
         self.lm_head = lm_head
@@ -307,7 +310,7 @@ class StaticGemma4ForCausalLM(nn.Module):
         )
         logits = self.lm_head(h)
         if self.final_logit_softcapping is not None:
-            logits = softcap(logits, self.final_logit_softcapping)
+            logits = softcap(logits, self.final_logit_softcapping, quantized=self.quantized)
         return (logits, *k_new, *v_new)
 
 

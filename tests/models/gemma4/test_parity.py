@@ -27,10 +27,11 @@ def hf_step_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("ar_len", [1, 4])
 @pytest.mark.parametrize("prompt_len", [5, 13])
-def test_prefill_decode_parity(name: str, ar_len: int, prompt_len: int) -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["float-graph", "graph-for-quantization"])
+def test_prefill_decode_parity(name: str, ar_len: int, prompt_len: int, quantized: bool) -> None:
     cfg = tiny_config(**CONFIGS[name])
     model = tiny_model(cfg)
-    static = StaticCausalLM.from_hf(model, max_context_len=CTX, ar_len=ar_len)
+    static = StaticCausalLM.from_hf(model, max_context_len=CTX, ar_len=ar_len, quantized=quantized)
     window = cfg.sliding_window
     total = prompt_len + 2 * window + 2  # decode well past the sliding window
     ids = torch.randint(3, cfg.vocab_size, (1, total), generator=torch.Generator().manual_seed(1))
