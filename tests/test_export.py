@@ -18,7 +18,10 @@ from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantSc
 from tests.conftest import FP16_PREFILL as PREFILL
 
 FP16_MIN_SQNR_DB = 30.0
-A16W8_MIN_SQNR_DB = 20.0
+# 16a8w hybrid on the demo model, 33 tokens against fp32: measured mean SQNR 41.6 dB (min 29.8) and top-1 1.00 for
+# each method alone and for prefill-then-decode (the issue asks for >= 20 dB).
+A16W8_MIN_SQNR_DB = 38.0
+A16W8_MIN_TOP1 = 0.96
 
 
 def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,9 @@ def test_every_decoder_op_runs_on_the_htp(fp16_export):
     assert [m.name for m in manifest.contract.methods] == ["prefill_forward", "kv_forward"]
 
 
-def test_cli_exports_16a8w_kv_and_quality(random_model_dir, demo_model_dir, tmp_path, run_python):
+def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_python):
+    """16a8w hybrid through the command line. Both methods are checked against fp32 on their own (the prefill
+    method once computed the logit softcap wrongly on rows 2.. after lowering, see ops/softcap.py) and together."""
     out = tmp_path / "out"
     calib = tmp_path / "calib.txt"
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
@@ -104,13 +109,14 @@ def test_cli_exports_16a8w_kv_and_quality(random_model_dir, demo_model_dir, tmp_
     calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
     proc = run_python(
         "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
-        "--quant", "16a8w", "--mode", "kv", "--max-seq-len", "64", "--embedding-quant", "8,0",
+        "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
+        "--embedding-quant", "8,0",
         "--calib-file", str(calib), "--calib-limit", "8", timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
     index = json.loads((out / "qnn_index.json").read_text())
-    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64-kv"]
+    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64"]
 
     from optimum_qnn import StaticCausalLM
     from optimum_qnn.modeling import QNNModelForCausalLM
@@ -118,13 +124,23 @@ def test_cli_exports_16a8w_kv_and_quality(random_model_dir, demo_model_dir, tmp_
 
     model = QNNModelForCausalLM.from_pretrained(out)
     static = StaticCausalLM.from_hf(load_text_model(demo_model_dir)[0], max_context_len=64)
-    ids = torch.tensor([2] + list(range(40, 80)))
+    ids = torch.tensor([2] + list(range(40, 72)))  # 33 tokens: two prefill calls, then one decode call
     ref = static.session().feed(ids)
-    got = model._session.feed(ids)
-    sqnr = sqnr_db(got, ref)
-    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"16a8w: mean SQNR {sqnr.mean():.1f} dB (min {sqnr.min():.1f}), top-1 agreement {top1:.2f}")
-    assert sqnr.mean() >= A16W8_MIN_SQNR_DB
+    session = model._session
+    per_method = {}
+    for method in ("prefill_forward", "kv_forward"):
+        session.reset()
+        per_method[method] = session.feed_method(method, ids)
+    session.reset()
+    mixed = session.feed(ids)
+    for name, got in [*per_method.items(), ("prefill then decode", mixed)]:
+        sqnr = sqnr_db(got, ref)
+        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"16a8w {name}: mean SQNR {sqnr.mean():.1f} dB (min {sqnr.min():.1f}), top-1 agreement {top1:.2f}")
+        assert sqnr.mean() >= A16W8_MIN_SQNR_DB, name
+        assert top1 >= A16W8_MIN_TOP1, name
+    # The two methods run the same integer graph: they agree far better than either agrees with fp32.
+    assert sqnr_db(per_method["prefill_forward"], per_method["kv_forward"]).mean() >= 30
 
 
 def test_one_export_per_soc(random_model_dir, tmp_path, qnn_sdk):
