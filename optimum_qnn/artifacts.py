@@ -17,6 +17,7 @@ An interrupted export therefore leaves nothing that looks complete, and never da
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import json
 import logging
@@ -173,8 +174,14 @@ class VariantWriter:
             self._root_files = copied
         return self._root_files
 
-    def write_variant(self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None) -> Path:
-        """Write one variant atomically; returns its folder."""
+    def write_variant(
+        self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None, evaluate=None
+    ) -> Path:
+        """Write one variant atomically; returns its folder.
+
+        ``evaluate(folder, manifest) -> Evaluation``, when given, runs on the complete staged variant; its result
+        goes into the manifest before the variant is put in place.
+        """
         from optimum_qnn.sdk import ensure_qnn_sdk
 
         root_files = self._write_root()
@@ -208,6 +215,9 @@ class VariantWriter:
                 files=[file_entry(staging, PROGRAM_NAME)],
             )
             manifest.write(staging)
+            if evaluate is not None:
+                manifest = dataclasses.replace(manifest, evaluation=evaluate(staging, manifest))
+                manifest.write(staging)
             target.parent.mkdir(parents=True, exist_ok=True)
             _replace_dir(staging, target)
         except OSError as e:

@@ -66,6 +66,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--calib-dataset", help="a `datasets` dataset name or path")
     cal.add_argument("--calib-split", default="train", help="dataset split (default: %(default)s)")
     cal.add_argument("--calib-limit", type=int, default=32, help="number of samples (default: %(default)s)")
+    ev = parser.add_argument_group("evaluation")
+    ev.add_argument("--evaluate", type=Path, metavar="TEXT_FILE",
+                    help="after lowering, run each variant on this text (plain or JSONL) on the HTP or the x86 emulator "
+                         "and record perplexity (fp32 vs exported) and logits SQNR in its manifest and the model card")
+    ev.add_argument("--evaluate-tokens", type=int, default=2048, metavar="N", help="score at most N tokens (default: %(default)s)")
     src_grp = parser.add_argument_group("source model")
     src_grp.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     src_grp.add_argument("--allow-pickle", action="store_true", help="accept a checkpoint with only pickle .bin weights")
@@ -107,7 +112,10 @@ def run_export(args: argparse.Namespace) -> int:
         calibration = CalibrationSource(
             file=args.calib_file, dataset=args.calib_dataset, split=args.calib_split, limit=args.calib_limit
         )
-        result = export(args.model, args.output, config, revision=args.revision, calibration=calibration, allow_pickle=args.allow_pickle)
+        result = export(
+            args.model, args.output, config, revision=args.revision, calibration=calibration,
+            allow_pickle=args.allow_pickle, evaluate=args.evaluate, evaluate_tokens=args.evaluate_tokens,
+        )
     except (OptimumQnnError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from optimum_qnn.artifacts import VariantWriter, check_output_folder, variant_na
 from optimum_qnn.calibration import CalibrationSource, token_sequences
 from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
+from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
@@ -73,6 +74,8 @@ def export(
     revision: str | None = None,
     calibration: CalibrationSource | None = None,
     allow_pickle: bool = False,
+    evaluate: Path | None = None,
+    evaluate_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> ExportResult:
     """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
 
@@ -83,12 +86,17 @@ def export(
         revision: Hub revision (branch, tag or commit) of ``model``.
         calibration: calibration text for quantized schemes (default: built-in sentences).
         allow_pickle: accept a checkpoint that has only pickle weights.
+        evaluate: a text file; each variant is run on it (on this host's HTP, or the x86 emulator) before it is put
+            in place, and perplexity (fp32 vs exported) and logits SQNR go into its manifest.
+        evaluate_tokens: at most this many tokens of ``evaluate`` are scored.
 
     Returns:
         The variant folders written and per-stage wall time / peak RSS.
     """
     result = ExportResult(Path(output))
     check_output_folder(result.output)  # fail in a second, not after calibration and lowering
+    if evaluate is not None:
+        _check_can_evaluate(Path(evaluate), config)
     with _stage(result, "load"):
         folder = resolve_model_folder(str(model), revision=revision)
         hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle)
@@ -118,6 +126,9 @@ def export(
     )
     from optimum_qnn.lowering import format_delegation, lower_to_pte
 
+    evaluator = None
+    if evaluate is not None:
+        evaluator = _evaluator(hf_model, static, tokenizer, Path(evaluate), evaluate_tokens, result)
     for soc in config.socs:
         with _stage(result, f"lower {soc.value}"):
             lowered = lower_to_pte(
@@ -132,10 +143,56 @@ def export(
             result.delegation[soc.value] = format_delegation(lowered.delegation)
         with _stage(result, f"write {soc.value}"):
             path = writer.write_variant(
-                variant_name(soc, config), lowered, static.contract, config, quant_rows=result.quant_rows
+                variant_name(soc, config), lowered, static.contract, config, quant_rows=result.quant_rows,
+                evaluate=evaluator,
             )
             result.variants.append(path)
     return result
+
+
+def _check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
+    import platform
+
+    from optimum_qnn.errors import InvalidInputError
+
+    if not text_file.is_file():
+        raise InvalidInputError(f"Evaluation text file {text_file} does not exist")
+    shared = config.weight_sharing and config.mode is ExportMode.HYBRID
+    if shared and platform.machine() == "x86_64":
+        raise InvalidInputError(
+            "--evaluate runs the .pte on the x86 HTP emulator, which cannot load a hybrid .pte with shared weights: "
+            "add --no-weight-sharing, or evaluate on a Snapdragon host"
+        )
+
+
+def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max_tokens: int, result: ExportResult):
+    """``evaluate(folder, manifest)`` for `VariantWriter.write_variant`: scores the staged .pte against fp32."""
+    from optimum_qnn.evaluation import evaluate_variant
+    from optimum_qnn.manifest import Evaluation
+    from optimum_qnn.modeling import QNNModelForCausalLM
+
+    contract = static.contract
+    reference = StaticCausalLM.from_hf(hf_model, max_context_len=contract.context_len, ar_len=contract.methods[0].ar_len)
+
+    def run(folder: Path, manifest) -> Evaluation:
+        with _stage(result, "evaluate"):
+            scores = evaluate_variant(
+                reference.session(), lambda: QNNModelForCausalLM(folder, folder, manifest)._session, tokenizer,
+                text_file, contract.context_len, static.text_config.bos_token_id, max_tokens,
+            )
+        logger.info(
+            "Evaluation on %d tokens of %s: perplexity %.3f (fp32) -> %.3f (exported), logits SQNR %.1f dB, top-1 %.3f",
+            scores.tokens, text_file.name, scores.perplexity_reference, scores.perplexity_exported, scores.sqnr_db,
+            scores.top1_agreement,
+        )
+        return Evaluation(
+            text_file=text_file.name, tokens=scores.tokens, perplexity_reference=round(scores.perplexity_reference, 4),
+            perplexity_exported=round(scores.perplexity_exported, 4),
+            sqnr_db=round(min(scores.sqnr_db, 200.0), 2),  # identical logits give +inf, which JSON cannot hold
+            top1_agreement=round(scores.top1_agreement, 4),
+        )
+
+    return run
 
 
 # Ops that stay on the CPU side of the .pte: the embedding lookups (the per-layer table is far too large for

@@ -194,6 +194,16 @@ def _read_index_for_push(output_dir: Path) -> dict[str, Any]:
     return index
 
 
+def _evaluation_cell(evaluation) -> str:
+    """What ``--evaluate`` measured, e.g. ``12.41 → 12.58 (44.5 dB) on 2047 tokens of wiki.txt``; "not measured"."""
+    if evaluation is None:
+        return "not measured"
+    return (
+        f"{evaluation.perplexity_reference:.2f} → {evaluation.perplexity_exported:.2f} ({evaluation.sqnr_db:.1f} dB) "
+        f"on {evaluation.tokens} tokens of `{evaluation.text_file}`"
+    )
+
+
 def model_card(output_dir: str | Path) -> str:
     """The model card (``README.md``) of an artifact folder: YAML metadata plus a table of its variants.
 
@@ -217,7 +227,8 @@ def model_card(output_dir: str | Path) -> str:
         size_mb = sum(f.size for f in manifest.files) / 2**20
         rows.append(
             f"| `{entry['path']}` | {manifest.target.soc} | v{manifest.target.htp_arch} | {entry['quant']} "
-            f"| {entry['context_len']} | {entry['mode']} | {size_mb:.1f} | {manifest.versions.qairt_build_id} |"
+            f"| {entry['context_len']} | {entry['mode']} | {size_mb:.1f} | {_evaluation_cell(manifest.evaluation)} "
+            f"| {manifest.versions.qairt_build_id} |"
         )
     license_ = DEFAULT_LICENSE
     config_path = output_dir / "config.json"
@@ -251,8 +262,9 @@ def model_card(output_dir: str | Path) -> str:
                 " `manifest.json` (runner contract, quantization, sha256 of every file); `qnn_index.json` lists them."
             ),
             "",
-            "| folder | SoC | HTP arch | quant | context | mode | size (MB) | QAIRT build |",
-            "|---|---|---|---|---|---|---|---|",
+            "| folder | SoC | HTP arch | quant | context | mode | size (MB) | perplexity fp32 → exported (logits SQNR) "
+            "| QAIRT build |",
+            "|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
             "## Usage",

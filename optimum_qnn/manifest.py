@@ -136,6 +136,7 @@ class Evaluation:
     perplexity_reference: float
     perplexity_exported: float
     sqnr_db: float
+    top1_agreement: float | None = None  # share of next-token argmaxes equal to fp32's
 
 
 @dataclass(frozen=True)

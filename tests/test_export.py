@@ -7,6 +7,7 @@ One fp16 hybrid export of the demo model is shared by the accuracy, method-agree
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -106,12 +107,16 @@ def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_pyth
     calib = tmp_path / "calib.txt"
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
+    paragraphs = tiny_gemma4.corpus().split("\n\n")
+    calib.write_text("\n\n".join(paragraphs[:40]))
+    held_out = tmp_path / "eval.txt"
+    held_out.write_text("\n\n".join(paragraphs[-40:]))
     proc = run_python(
         "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
         "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
         "--embedding-quant", "8,0",
-        "--calib-file", str(calib), "--calib-limit", "8", timeout=900,
+        "--calib-file", str(calib), "--calib-limit", "8", "--evaluate", str(held_out), "--evaluate-tokens", "189",
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
@@ -141,6 +146,25 @@ def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_pyth
         assert top1 >= A16W8_MIN_TOP1, name
     # The two methods run the same integer graph: they agree far better than either agrees with fp32.
     assert sqnr_db(per_method["prefill_forward"], per_method["kv_forward"]).mean() >= 30
+
+    # --evaluate: the manifest says what quantization did, and its fp32 perplexity is Hugging Face's own loss.
+    from transformers import AutoTokenizer
+
+    from optimum_qnn.evaluation import windows
+    from optimum_qnn.hub import model_card
+
+    evaluation = model.manifest.evaluation
+    print(f"16a8w --evaluate: {evaluation}")
+    assert evaluation.text_file == "eval.txt" and evaluation.tokens == 189  # 3 windows of 63 scored tokens
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = tok("\n\n".join(paragraphs[-40:]), add_special_tokens=False)["input_ids"]
+    hf = load_text_model(demo_model_dir)[0]
+    with torch.no_grad():
+        nll = sum(hf(w.unsqueeze(0), labels=w.unsqueeze(0)).loss.item() * (w.numel() - 1) for w in windows(ids, 64, 2, 189))
+    assert evaluation.perplexity_reference == pytest.approx(math.exp(nll / 189), rel=1e-3)
+    assert evaluation.perplexity_exported == pytest.approx(evaluation.perplexity_reference, rel=0.05)
+    assert evaluation.sqnr_db >= A16W8_MIN_SQNR_DB and evaluation.top1_agreement >= A16W8_MIN_TOP1
+    assert f"({evaluation.sqnr_db:.1f} dB) on 189 tokens of `eval.txt`" in model_card(out)
 
 
 def test_one_export_per_soc(random_model_dir, tmp_path, qnn_sdk):
