@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, _SDK_ENV
+from tests.conftest import REPO_ROOT, TINY_KV_CTX, _SDK_ENV
 
 
 def export_command(model: Path, out: Path, quant: str) -> list[str]:
     return [
         sys.executable, "-m", "optimum_qnn", "export", "--model", str(model), "--output", str(out), "--soc", "SM8650",
-        "--quant", quant, "--mode", "kv", "--max-seq-len", "32", "--embedding-quant", "8,0", "--verbose",
+        "--quant", quant, "--mode", "kv", "--max-seq-len", str(TINY_KV_CTX), "--embedding-quant", "8,0", "--verbose",
     ]
 
 
@@ -62,19 +62,6 @@ def snapshot(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def tiny_kv_export(random_model_dir, tmp_path_factory, qnn_sdk) -> Path:
-    """The tiny random Gemma4 exported fp16, kv mode, context 32 (the command line's --mode kv --max-seq-len 32)."""
-    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
-
-    out = tmp_path_factory.mktemp("tiny-kv")
-    config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4),
-                          embedding_quant=EmbeddingQuant(8, 0))
-    export(random_model_dir, out, config)
-    return out
-
-
 def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(random_model_dir, tiny_kv_export, tmp_path):
     from optimum_qnn.manifest import read_manifest
     from optimum_qnn.modeling import verify_files
@@ -82,7 +69,7 @@ def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(random_
     out = tmp_path / "out"
     shutil.copytree(tiny_kv_export, out)
     before = snapshot(out)
-    assert "qnn/sm8650/fp16-ctx32-kv/model.pte" in before
+    assert "qnn/sm8650/fp16-ctx64-kv/model.pte" in before
 
     # Re-exporting the same variant, killed while lowering: the old variant is replaced only by a complete one.
     kill_at(export_command(random_model_dir, out, "fp16"), "[lower SM8650] ...", delay=3.0)
@@ -94,7 +81,7 @@ def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(random_
     rerun = subprocess.run(export_command(random_model_dir, out, "16a8w"), capture_output=True, text=True, env=child_env(), cwd=REPO_ROOT, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     index = json.loads((out / "qnn_index.json").read_text())
-    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx32-kv", "qnn/sm8650/fp16-ctx32-kv"]
+    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64-kv", "qnn/sm8650/fp16-ctx64-kv"]
     for entry in index["variants"]:
         folder = out / entry["path"]
         verify_files(folder, read_manifest(folder))
@@ -119,7 +106,7 @@ SOAK_RSS_GROWTH_MB = 16.0  # bound on RSS growth between call 20 and call 200
 
 @pytest.mark.slow
 def test_soak_200_generate_calls(tiny_kv_export):
-    """Prompt lengths cycle over 1..29 tokens of the 32-token context, 3 new tokens each."""
+    """Prompt lengths cycle over 1..29 tokens, 3 new tokens each."""
     from optimum_qnn.modeling import QNNModelForCausalLM
 
     model = QNNModelForCausalLM.from_pretrained(tiny_kv_export)

@@ -89,3 +89,17 @@ def test_pickle_opt_in_loads_with_weights_only(tmp_path):
     ids = torch.randint(3, 256, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, src(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_remote_code_in_the_checkpoint_is_never_run(tmp_path):
+    """A checkpoint whose config points at its own modeling code (``auto_map``, used with trust_remote_code) is
+    loaded with the Gemma4 classes of transformers; the folder's Python file is never imported."""
+    tiny_model(tiny_config()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "imported"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise SystemExit('remote code ran')\n")
+    model, _ = load_text_model(tmp_path)
+    assert type(model).__name__ == "Gemma4ForCausalLM" and type(model).__module__.startswith("transformers.")
+    assert not marker.exists()
