@@ -99,17 +99,17 @@ def fp16_model(fp16_export):
 
 
 
-TINY_KV_CTX = 64
+KV_CTX = 64
 
 
 @pytest.fixture(scope="session")
-def tiny_kv_export(random_model_dir, tmp_path_factory, qnn_sdk) -> Path:
-    """The tiny random Gemma4 exported fp16 in kv mode (decode method only), context 64."""
+def demo_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
+    """The demo Gemma4 exported fp16 in kv mode (decode method only), context 64, float embedding tables."""
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.export import export
 
-    out = tmp_path_factory.mktemp("tiny-kv")
+    out = tmp_path_factory.mktemp("demo-kv")
     config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
-                          shapes=ShapeConfig(TINY_KV_CTX, 4), embedding_quant=EmbeddingQuant(8, 0))
-    export(random_model_dir, out, config)
+                          shapes=ShapeConfig(KV_CTX, 4), embedding_quant=EmbeddingQuant(0, 0))
+    export(demo_model_dir, out, config)
     return out

@@ -41,20 +41,25 @@ def test_streamer_sampling_and_stats(fp16_model):
     assert runs[0] == runs[1]
 
 
-def test_kv_mode_greedy_matches_hf_for_32_tokens(tiny_kv_export, random_model_dir):
-    """A kv-mode export (decode method only) of the tiny random Gemma4 (window 8): prompts shorter and longer
-    than the window, 32 new tokens each, identical to Hugging Face `generate`."""
+def test_kv_mode_greedy_matches_hf_for_32_tokens(demo_kv_export, demo_model_dir):
+    """A kv-mode export (decode method only) of the demo Gemma4 (window 16): prompts shorter and longer than the
+    window, 32 new tokens each, identical to Hugging Face `generate`."""
+    from transformers import AutoTokenizer
+
     from optimum_qnn.models.gemma4.loading import load_text_model
 
-    hf = load_text_model(random_model_dir)[0]
-    model = QNNModelForCausalLM.from_pretrained(tiny_kv_export)
+    hf = load_text_model(demo_model_dir)[0]
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    model = QNNModelForCausalLM.from_pretrained(demo_kv_export)
     assert [m.name for m in model.contract.methods] == ["kv_forward"]
-    for n in (5, 12):
-        prompt = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n))
+    texts = ["The for statement", "Assignment statements are used to (re)bind names to values and to modify attributes"]
+    prompts = [torch.tensor([2] + tok(t)["input_ids"]) for t in texts]
+    assert len(prompts[0]) < 16 < len(prompts[1])
+    for prompt in prompts:
         with torch.no_grad():
             ref = hf.generate(prompt.unsqueeze(0), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
-        assert model.generate(prompt, max_new_tokens=32, eos_token_id=[]).tolist() == ref.tolist(), n
+        assert model.generate(prompt, max_new_tokens=32, eos_token_id=[]).tolist() == ref.tolist(), len(prompt)
 
 
 def test_bad_input(fp16_model):

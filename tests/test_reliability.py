@@ -2,7 +2,7 @@
 
 - An export killed with SIGKILL (during calibration, during lowering) leaves every earlier variant and the index
   byte for byte as they were and nothing that looks like a variant; a re-run then succeeds.
-- A soak test (slow: about 5 min of emulator steps): 200 generate calls on one loaded model keep RSS flat and give
+- A soak test (slow: minutes of emulator steps): 200 generate calls on one loaded model keep RSS flat and give
   the same tokens every time.
 """
 
@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, TINY_KV_CTX, _SDK_ENV
+from tests.conftest import REPO_ROOT, KV_CTX, _SDK_ENV
 
 
 def export_command(model: Path, out: Path, quant: str) -> list[str]:
     return [
         sys.executable, "-m", "optimum_qnn", "export", "--model", str(model), "--output", str(out), "--soc", "SM8650",
-        "--quant", quant, "--mode", "kv", "--max-seq-len", str(TINY_KV_CTX), "--embedding-quant", "8,0", "--verbose",
+        "--quant", quant, "--mode", "kv", "--max-seq-len", str(KV_CTX), "--embedding-quant", "none" if quant == "fp16" else "8,0",
+        "--verbose",
     ]
 
 
@@ -62,23 +63,23 @@ def snapshot(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(random_model_dir, tiny_kv_export, tmp_path):
+def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(demo_model_dir, demo_kv_export, tmp_path):
     from optimum_qnn.manifest import read_manifest
     from optimum_qnn.modeling import verify_files
 
     out = tmp_path / "out"
-    shutil.copytree(tiny_kv_export, out)
+    shutil.copytree(demo_kv_export, out)
     before = snapshot(out)
     assert "qnn/sm8650/fp16-ctx64-kv/model.pte" in before
 
     # Re-exporting the same variant, killed while lowering: the old variant is replaced only by a complete one.
-    kill_at(export_command(random_model_dir, out, "fp16"), "[lower SM8650] ...", delay=3.0)
+    kill_at(export_command(demo_model_dir, out, "fp16"), "[lower SM8650] ...", delay=3.0)
     assert snapshot(out) == before
     # A new quantized variant, killed while calibrating: no trace of it.
-    kill_at(export_command(random_model_dir, out, "16a8w"), "[calibrate] ...")
+    kill_at(export_command(demo_model_dir, out, "16a8w"), "[calibrate] ...")
     assert snapshot(out) == before
 
-    rerun = subprocess.run(export_command(random_model_dir, out, "16a8w"), capture_output=True, text=True, env=child_env(), cwd=REPO_ROOT, timeout=900)
+    rerun = subprocess.run(export_command(demo_model_dir, out, "16a8w"), capture_output=True, text=True, env=child_env(), cwd=REPO_ROOT, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     index = json.loads((out / "qnn_index.json").read_text())
     assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64-kv", "qnn/sm8650/fp16-ctx64-kv"]
@@ -105,17 +106,15 @@ SOAK_RSS_GROWTH_MB = 16.0  # bound on RSS growth between call 20 and call 200
 
 
 @pytest.mark.slow
-def test_soak_200_generate_calls(tiny_kv_export):
-    """Prompt lengths cycle over 1..29 tokens, 3 new tokens each."""
-    from optimum_qnn.modeling import QNNModelForCausalLM
-
-    model = QNNModelForCausalLM.from_pretrained(tiny_kv_export)
-    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in range(1, 30, 2)]
+def test_soak_200_generate_calls(fp16_model):
+    """The demo Gemma4's hybrid fp16 export; prompt lengths cycle over 1..37 tokens (decode only, one to three
+    prefill calls, the window of 16 crossed), 2 new tokens each."""
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)) for n in range(1, 38, 4)]
     first: dict[int, list[int]] = {}
     rss = []
     for call in range(SOAK_CALLS):
         prompt = prompts[call % len(prompts)]
-        out = model.generate(prompt, max_new_tokens=3, eos_token_id=[])[0].tolist()
+        out = fp16_model.generate(prompt, max_new_tokens=2, eos_token_id=[])[0].tolist()
         assert first.setdefault(len(prompt), out) == out, f"call {call}: output changed for prompt length {len(prompt)}"
         rss.append(_rss_mb())
     growth = max(rss[20:]) - rss[19]
