@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import platform
 import statistics
 import subprocess
@@ -43,10 +42,6 @@ def held_out_text() -> str:
     return "\n\n".join(inspect.getdoc(importlib.import_module(name)) or "" for name in HELD_OUT_MODULES)
 
 
-def _sqnr(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return 10 * math.log10(ref.pow(2).mean().item() / (got - ref).pow(2).mean().item())
-
-
 def size_lower_bound_bytes(hf_model, scheme: str) -> float:
     """Parameters x bits: the HTP weights at the scheme's width, the CPU embedding tables at theirs."""
     from optimum_qnn.config import QuantScheme
@@ -66,6 +61,7 @@ def child(scheme: str, work: Path, steps: int, runs: int) -> dict:
     from optimum_qnn.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.contract import DECODE_METHOD
+    from optimum_qnn.evaluation import sqnr_db
     from optimum_qnn.export import export
     from optimum_qnn.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
@@ -116,7 +112,7 @@ def child(scheme: str, work: Path, steps: int, runs: int) -> dict:
         "PPL fp32": evaluation.perplexity_reference,
         "PPL .pte": evaluation.perplexity_exported,
         "SQNR dB": evaluation.sqnr_db,
-        "decode SQNR dB": _sqnr(got_decode, ref),
+        "decode SQNR dB": sqnr_db(got_decode, ref),
         "top-1": evaluation.top1_agreement,
         "greedy = HF": int(same.cumprod(0).sum()),
         "eval tokens": evaluation.tokens,

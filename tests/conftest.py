@@ -24,6 +24,13 @@ def qnn_sdk():
     return ensure_qnn_sdk()
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment minus its QNN variables, with the repo importable: for child Python processes."""
+    env = {k: v for k, v in os.environ.items() if k not in _SDK_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return env
+
+
 RunPython = Callable[..., subprocess.CompletedProcess]
 
 
@@ -36,11 +43,9 @@ def run_python() -> RunPython:
     """
 
     def run(*args: str, env: Mapping[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-        child_env = {k: v for k, v in os.environ.items() if k not in _SDK_ENV}
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        child_env.update(env or {})
+        env = {**child_env(), **(env or {})}
         return subprocess.run(
-            [sys.executable, *args], env=child_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+            [sys.executable, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
         )
 
     return run

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, KV_CTX, _SDK_ENV
+from tests.conftest import KV_CTX, REPO_ROOT, child_env
 
 
 def export_command(model: Path, out: Path, quant: str) -> list[str]:
@@ -30,12 +29,6 @@ def export_command(model: Path, out: Path, quant: str) -> list[str]:
         "--quant", quant, "--mode", "kv", "--max-seq-len", str(KV_CTX), "--embedding-quant", "none" if quant == "fp16" else "8,0",
         "--verbose",
     ]
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _SDK_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    return env
 
 
 def kill_at(command: list[str], marker: str, delay: float = 0.0) -> str:
