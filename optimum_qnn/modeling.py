@@ -254,13 +254,18 @@ def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _load_program(path: Path, manifest: Manifest):
-    """Load the .pte with the QNN backend and the CPU kernels its embedding lookups need."""
+def host_can_run(weight_sharing: bool) -> bool:
+    """Whether this host can load a .pte: the x86 HTP emulator cannot load graphs that share weights."""
     import platform
 
+    return not (weight_sharing and platform.machine() == "x86_64")
+
+
+def _load_program(path: Path, manifest: Manifest):
+    """Load the .pte with the QNN backend and the CPU kernels its embedding lookups need."""
     from optimum_qnn.sdk import check_runtime_can_load, ensure_qnn_sdk
 
-    if manifest.contract.weight_sharing and platform.machine() == "x86_64":
+    if not host_can_run(manifest.contract.weight_sharing):
         raise OptimumQnnError(
             f"{path} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
             "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
