@@ -12,7 +12,7 @@ from torch import nn
 from optimum_qnn.config import EmbeddingQuant
 
 
-def _register_quantized_embedding_ops() -> None:
+def register_quantized_embedding_ops() -> None:
     # Defines quantized_decomposed::embedding_{byte,4bit}{,.dtype,.out,.dtype_out} with Python reference
     # kernels, which torch.export needs to trace QuantizedEmbedding (torchao does not define these).
     import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401
@@ -62,7 +62,7 @@ class QuantizedEmbedding(nn.Module):
             self.group_size = 0
             self.register_buffer("weight", weight.detach().to(out_dtype).clone())
             return
-        _register_quantized_embedding_ops()
+        register_quantized_embedding_ops()
         group = quant.group_size or self.embedding_dim
         if self.embedding_dim % group:
             raise ValueError(f"Embedding dim {self.embedding_dim} is not a multiple of the group size {group}")

@@ -6,7 +6,9 @@ The model is loaded, swapped, exported and calibrated once; only the lowering ru
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StageStats:
+    """Wall time of one stage, and the highest RSS of the process while it ran."""
+
     name: str
     seconds: float
     peak_rss_mb: float
@@ -54,16 +58,50 @@ class ExportResult:
 
 
 def peak_rss_mb() -> float:
+    """The process's peak RSS so far (it only grows)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _RssSampler(threading.Thread):
+    """The highest RSS seen while a stage runs, sampled every 50 ms (ru_maxrss cannot be reset per stage)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = _rss_mb()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.05):
+            self.peak = max(self.peak, _rss_mb())
+
+    def stop(self) -> float:
+        self._stop_event.set()
+        self.join()
+        return max(self.peak, _rss_mb())
 
 
 @contextmanager
 def _stage(result: ExportResult, name: str) -> Iterator[None]:
     logger.info("[%s] ...", name)
+    sampler = _RssSampler() if os.path.exists("/proc/self/statm") else None
+    if sampler:
+        sampler.start()
+    high_water = peak_rss_mb()
     t0 = time.perf_counter()
-    yield
-    result.stages.append(StageStats(name, time.perf_counter() - t0, peak_rss_mb()))
-    logger.info("[%s] done in %.1f s", name, result.stages[-1].seconds)
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - t0
+        peak = sampler.stop() if sampler else 0.0
+        if peak_rss_mb() > high_water:  # a new process peak was set during this stage (catches spikes < 50 ms)
+            peak = max(peak, peak_rss_mb())
+    result.stages.append(StageStats(name, seconds, peak))
+    logger.info("[%s] done in %.1f s, peak RSS %.0f MB", name, seconds, peak)
 
 
 def export(
@@ -99,7 +137,9 @@ def export(
         _check_can_evaluate(Path(evaluate), config)
     with _stage(result, "load"):
         folder = resolve_model_folder(str(model), revision=revision)
-        hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle)
+        # Without --evaluate the Hugging Face model never runs: its embedding tables stay in their stored dtype
+        # until they are quantized, and the model is released after the swap.
+        hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None)
         tokenizer = _load_tokenizer(folder)
     shapes = config.shapes
     hybrid = config.mode is ExportMode.HYBRID
@@ -110,14 +150,18 @@ def export(
         )
         result.swap_summary = static.report.table()
         _swap_embeddings_for_cpu(static, config)
+        _lm_head_in_float32(static)
+        if evaluate is None:
+            del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
     methods = [m.name for m in static.contract.methods]
     with _stage(result, "export"):
-        programs = {
-            name: torch.export.export(static.module, static.example_inputs(name), strict=True) for name in methods
-        }
+        programs = {name: static.export(name) for name in methods}
     if config.quant.is_quantized:
         graphs = _quantize(static, programs, config, tokenizer, calibration or CalibrationSource(), result)
         sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
+        del programs
+        if evaluate is None:
+            _release_float_weights(static.module, graphs.values())
     else:
         sources = dict(programs)
     writer = VariantWriter(
@@ -151,14 +195,12 @@ def export(
 
 
 def _check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
-    import platform
-
     from optimum_qnn.errors import InvalidInputError
+    from optimum_qnn.modeling import host_can_run
 
     if not text_file.is_file():
         raise InvalidInputError(f"Evaluation text file {text_file} does not exist")
-    shared = config.weight_sharing and config.mode is ExportMode.HYBRID
-    if shared and platform.machine() == "x86_64":
+    if not host_can_run(config.weight_sharing and config.mode is ExportMode.HYBRID):
         raise InvalidInputError(
             "--evaluate runs the .pte on the x86 HTP emulator, which cannot load a hybrid .pte with shared weights: "
             "add --no-weight-sharing, or evaluate on a Snapdragon host"
@@ -203,6 +245,9 @@ _CPU_OPS = frozenset({"aten.embedding.default"})
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logger.warning("No tokenizer in %s; calibration uses random token ids", folder)
+        return None
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
@@ -221,6 +266,28 @@ def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig) -> No
         setattr(text, name, ScaledLookup(QuantizedEmbedding.from_embedding(hf_embedding, config.embedding_quant), hf_embedding.scalar_embed_scale))
 
 
+def _release_float_weights(module: torch.nn.Module, graphs) -> None:
+    """Empty the float weights that the quantized graphs no longer read (they hold quantized copies), so lowering
+    does not carry them: 7.4 GB of fp32 layer weights and 1.6 GB of lm_head for Gemma-4-E2B. The module cannot
+    run afterwards."""
+    from optimum_qnn.quantization import tensor_attributes
+
+    used = {t.untyped_storage().data_ptr() for graph in graphs for _, t in tensor_attributes(graph)}
+    freed = 0
+    for p in module.parameters():
+        if p.numel() and p.untyped_storage().data_ptr() not in used:
+            freed += p.nbytes
+            p.data = torch.empty(0, dtype=p.dtype)
+    logger.info("Released %.0f MB of float weights before lowering", freed / 2**20)
+
+
+def _lm_head_in_float32(static: StaticCausalLM) -> None:
+    """The lm_head shares the token table, which may be loaded in its stored dtype: the HTP graph wants fp32."""
+    head = static.module.lm_head
+    if head.weight.dtype != torch.float32:
+        head.weight = torch.nn.Parameter(head.weight.detach().to(torch.float32), requires_grad=False)
+
+
 class ScaledLookup(torch.nn.Module):
     """A CPU lookup followed by Gemma4's constant embedding scale (sqrt of the width)."""
 
@@ -234,6 +301,7 @@ class ScaledLookup(torch.nn.Module):
 
 
 def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, source: CalibrationSource, result: ExportResult):
+    from optimum_qnn.kernels import row_gather_lookups
     from optimum_qnn.quantization import make_quantizer, quant_summary, quantize_shared
 
     from optimum_qnn.sdk import ensure_qnn_sdk
@@ -248,24 +316,28 @@ def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer,
     if tokenizer is not None:
         seqs = token_sequences(tokenizer, source.texts(), contract.context_len, bos)
     else:
+        # No tokenizer: two calls' worth of random ids (at least 64), so every observer sees data.
         gen = torch.Generator().manual_seed(0)
-        seqs = [torch.randint(0, contract.vocab_size, (min(64, contract.context_len),), generator=gen).tolist()]
+        length = min(contract.context_len - 1, max(64, 2 * contract.method(calibrate_on).ar_len))
+        seqs = [torch.randint(0, contract.vocab_size, (length,), generator=gen).tolist()]
 
     def calibrate(prepared: torch.nn.Module) -> None:
         # Run the calibration text through the prepared graph exactly as a runner drives the .pte: chunked
         # prefill with real cache contents, so the KV observers see filled caches, not zeros.
         spec = contract.method(calibrate_on)
         session = KVSession(contract, {spec.name: lambda inputs: prepared(*inputs)})
-        for seq in tqdm(seqs, desc="Calibrating", unit="sample"):
-            session.reset()
-            ids = torch.tensor(seq)
-            # Whole calls of the calibrated method only: the prepared graph has that method's shapes.
-            usable = (ids.numel() // spec.ar_len) * spec.ar_len if spec.ar_len > 1 else ids.numel()
-            if usable:
+        with row_gather_lookups():
+            for seq in tqdm(seqs, desc="Calibrating", unit="sample"):
+                session.reset()
+                ids = torch.tensor(seq)
+                # Whole calls of the calibrated method, so padding rows do not dilute the statistics; a sample
+                # shorter than one call goes in as one padded call (as a runner feeds a short prompt).
+                usable = (ids.numel() // spec.ar_len) * spec.ar_len or ids.numel()
                 session.feed_method(spec.name, ids[:usable])
 
-    with _stage(result, "calibrate"):
-        graphs = quantize_shared(programs, calibrate, quantizer, calibrate_on=calibrate_on)
+    graphs = quantize_shared(
+        programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=lambda name: _stage(result, name)
+    )
     result.quant_rows = quant_summary(graphs[calibrate_on])
     return graphs
 

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -31,6 +32,7 @@ import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -353,13 +355,26 @@ def quantize(
     Raises:
         RuntimeError: when calibration left an activation observer without data.
     """
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-
     prepared = prepare(program, quantizer)
     with torch.no_grad():
         calibrate(prepared)
     _check_calibrated(prepared, "quantize")
-    return convert_pt2e(prepared)
+    return convert(prepared)
+
+
+def convert(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`convert_pt2e` with the weights' quantization folded into int constants, in bounded memory: row-chunked
+    per-channel quantization (`kernels.chunked_weight_quantization`), no float copy of the dequantized weights
+    (`fold_weight_quantization`), and the float weights it replaced dropped from the graph."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    from optimum_qnn.kernels import chunked_weight_quantization
+
+    graph = convert_pt2e(prepared, fold_quantize=False)
+    with chunked_weight_quantization():
+        fold_weight_quantization(graph)
+    _drop_unused_tensors(graph)
+    return graph
 
 
 def _observer_key(node: torch.fx.Node, observer: nn.Module) -> tuple[str, str]:
@@ -412,6 +427,7 @@ def quantize_shared(
     quantizer,
     *,
     calibrate_on: str,
+    stage: Callable[[str], ContextManager] = contextlib.nullcontext,
 ) -> dict[str, torch.fx.GraphModule]:
     """Quantize several graphs of one module (hybrid prefill + decode) with identical quantization parameters.
 
@@ -430,6 +446,8 @@ def quantize_shared(
         calibrate: runs the prepared module of `calibrate_on` on calibration batches.
         quantizer: from :func:`make_quantizer`.
         calibrate_on: the key of the graph to calibrate.
+        stage: ``stage(name)`` is entered around "calibrate" (prepare, observe, share the observers) and
+            "quantize" (convert to Q/DQ), e.g. to time them.
 
     Returns:
         Method name -> converted graph module, in the order of `programs`.
@@ -437,19 +455,120 @@ def quantize_shared(
     Raises:
         ValueError: for an unknown `calibrate_on`, or graphs whose observers do not pair up.
     """
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     if calibrate_on not in programs:
         raise ValueError(f"Unknown graph {calibrate_on!r} to calibrate on; expected one of: {', '.join(programs)}")
-    prepared = {name: prepare(program, quantizer) for name, program in programs.items()}
-    with torch.no_grad():
-        calibrate(prepared[calibrate_on])
-    _check_calibrated(prepared[calibrate_on], f"quantize_shared({calibrate_on!r})")
-    for name, graph in prepared.items():
-        if name != calibrate_on:
-            count = copy_observer_state(prepared[calibrate_on], graph)
-            logger.info("Copied %d observers from %s to %s", count, calibrate_on, name)
-    return {name: convert_pt2e(graph) for name, graph in prepared.items()}
+    with stage("calibrate"):
+        prepared = {name: prepare(program, quantizer) for name, program in programs.items()}
+        with torch.no_grad():
+            calibrate(prepared[calibrate_on])
+        _check_calibrated(prepared[calibrate_on], f"quantize_shared({calibrate_on!r})")
+        for name, graph in prepared.items():
+            if name != calibrate_on:
+                count = copy_observer_state(prepared[calibrate_on], graph)
+                logger.info("Copied %d observers from %s to %s", count, calibrate_on, name)
+    with stage("quantize"):
+        converted: dict[str, torch.fx.GraphModule] = {}
+        for name in list(prepared):
+            graph = convert(prepared.pop(name))
+            if converted:
+                shared = share_equal_constants(next(iter(converted.values())), graph)
+                logger.info("%s shares %.0f MB of constants with %s", name, shared / 2**20, next(iter(converted)))
+            converted[name] = graph
+        return converted
+
+
+def fold_weight_quantization(graph: torch.fx.GraphModule) -> None:
+    """Replace each quantize op on a constant (a weight) by its quantized result, as `convert_pt2e(fold_quantize=True)`
+    does, without its peak memory.
+
+    torchao's fold runs a `ConstantFolder` over the whole graph and keeps every constant it computes until the end,
+    the dequantized float weights included: one fp32 copy of every weight (6.5 GB at Gemma-4-E2B widths with 2
+    layers, 9 GB for the full model). This folder does not evaluate dequantize ops (their results are never folded
+    anyway), so only the quantized weights are kept.
+    """
+    from torchao.quantization.pt2e.constant_fold import ConstantFolder, replace_node_with_constant
+    from torchao.quantization.pt2e.quantize_pt2e import _quant_node_constraint
+
+    dequantize_ops = {
+        torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+        torch.ops.quantized_decomposed.dequantize_per_tensor.tensor,
+        torch.ops.quantized_decomposed.dequantize_per_channel.default,
+        torch.ops.torchao.dequantize_affine.default,
+    }
+
+    class QuantizeFolder(ConstantFolder):
+        def _deduce_value(self, node: torch.fx.Node):
+            if node.op == "call_function" and node.target in dequantize_ops:
+                return self.unknown_value
+            return super()._deduce_value(node)
+
+    with torch.utils._python_dispatch._disable_current_modes():
+        folder = QuantizeFolder(graph, skip_constructors=True)
+        folder.run()
+        for node, constant in folder.node_replacements.items():
+            if _quant_node_constraint(node):
+                replace_node_with_constant(graph, node, constant)
+        folder = None
+    for node in list(graph.graph.find_nodes(op="get_attr")):
+        if not node.users:
+            if hasattr(graph, node.target):
+                delattr(graph, node.target)
+            graph.graph.erase_node(node)
+    graph.graph.eliminate_dead_code()
+    graph.graph.lint()
+    graph.recompile()
+
+
+def _drop_unused_tensors(graph: torch.fx.GraphModule) -> None:
+    """Delete the parameters and buffers no node reads any more (convert_pt2e leaves the float weights it folded
+    into quantized constants as attributes, which keeps every fp32 weight alive through lowering)."""
+    used = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
+    names = [n for n, _ in graph.named_parameters(remove_duplicate=False)] + [n for n, _ in graph.named_buffers(remove_duplicate=False)]
+    for name in names:
+        if name not in used:
+            owner, _, attr = name.rpartition(".")
+            module = graph.get_submodule(owner) if owner else graph
+            if attr in module._parameters:
+                del module._parameters[attr]
+            elif attr in module._buffers:
+                del module._buffers[attr]
+
+
+def share_equal_constants(source: torch.fx.GraphModule, target: torch.fx.GraphModule) -> int:
+    """Point `target`'s tensors at `source`'s where both graphs hold the same tensor under the same name.
+
+    The graphs of one module quantized with shared observers (hybrid prefill + decode) hold identical quantized
+    weights; without this each holds a copy until lowering. Returns the bytes freed.
+    """
+    freed = 0
+    source_tensors = dict(tensor_attributes(source))
+    for name, tensor in tensor_attributes(target):
+        same = source_tensors.get(name)
+        if same is None or same is tensor or same.shape != tensor.shape or same.dtype != tensor.dtype:
+            continue
+        if torch.equal(same, tensor):
+            owner, _, attr = name.rpartition(".")
+            module = target.get_submodule(owner) if owner else target
+            if attr in module._parameters:
+                module._parameters[attr] = source.get_parameter(name)
+            elif attr in module._buffers:
+                module._buffers[attr] = source.get_buffer(name)
+            else:
+                setattr(module, attr, same)
+            freed += tensor.nbytes
+    return freed
+
+
+def tensor_attributes(graph: torch.fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """Tensors that get_attr nodes read: parameters, buffers and plain tensor attributes (folded constants)."""
+    out = []
+    for node in graph.graph.nodes:
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(graph)
+            if isinstance(value, torch.Tensor):
+                out.append((node.target, value))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -120,6 +122,9 @@ def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_pyth
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
+    stages = proc.stdout.split("Stages:\n")[1]
+    for name in ("load", "swap", "export", "calibrate", "quantize", "evaluate", "lower SM8650", "write SM8650"):
+        assert re.search(rf"^{name} +\d+\.\d +\d+$", stages, re.M), (name, stages)
     index = json.loads((out / "qnn_index.json").read_text())
     assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64"]
 
@@ -189,3 +194,59 @@ def test_optimum_cli_help():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--soc" in proc.stdout and "SM8750" in proc.stdout and "--calib-file" in proc.stdout
+
+
+def test_stage_peak_rss_is_the_stage_s_own():
+    """Each stage reports the highest RSS while it ran, not the process's peak so far (which only grows)."""
+    from optimum_qnn.export import ExportResult, _rss_mb, _stage
+
+    result = ExportResult(output=None)
+    with _stage(result, "big"):
+        block = torch.ones(64 * 2**20 // 4 * 4)  # 256 MB, touched
+        time.sleep(0.3)
+        del block
+    with _stage(result, "small"):
+        time.sleep(0.2)
+    big, small = result.stages
+    assert big.peak_rss_mb >= small.peak_rss_mb + 200, result.stage_table()
+    assert small.peak_rss_mb <= _rss_mb() + 50
+
+
+def test_calibration_without_tokenizer_fills_a_long_prefill_call(random_model_dir):
+    """No tokenizer and a prefill call longer than 64 tokens: the random-id calibration still covers whole calls
+    (it once produced 64 ids, fewer than one 80-token call, so nothing was observed and quantization failed)."""
+    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.export import ExportResult, _quantize
+    from optimum_qnn.models.gemma4 import StaticCausalLM
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
+    config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.parse("16a8w"), mode=ExportMode.HYBRID, shapes=ShapeConfig(192, 80))
+    static = StaticCausalLM.from_hf(load_text_model(random_model_dir)[0], max_context_len=192, ar_len=80, quantized=True)
+    programs = {m.name: static.export(m.name) for m in static.contract.methods}
+    result = ExportResult(output=None)
+    graphs = _quantize(static, programs, config, None, CalibrationSource(), result)
+    assert set(graphs) == {"prefill_forward", "kv_forward"}
+    assert [s.name for s in result.stages] == ["calibrate", "quantize"]
+    assert result.quant_rows
+
+
+def test_bf16_checkpoint_exports_with_tables_in_stored_dtype(tmp_path, qnn_sdk):
+    """A bf16 checkpoint (as Google ships Gemma4): the export keeps the embedding tables in bf16 until they are
+    quantized, gives the HTP an fp32 lm_head, and the .pte matches the fp32 model of the same weights."""
+    from optimum_qnn.evaluation import sqnr_db as mean_sqnr_db
+    from optimum_qnn.export import export
+    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.models.gemma4 import StaticCausalLM
+    from optimum_qnn.models.gemma4.loading import load_text_model
+    from tests.gemma4_tiny import tiny_config, tiny_model
+
+    folder = tmp_path / "bf16"
+    tiny_model(tiny_config()).to(torch.bfloat16).save_pretrained(folder)
+    config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(0, 0))
+    result = export(folder, tmp_path / "out", config)
+    model = QNNModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.tensor([2] + list(range(10, 30)))
+    ref = StaticCausalLM.from_hf(load_text_model(folder)[0], max_context_len=32).session().feed(ids)
+    got = model._session.feed(ids)
+    print(f"bf16 checkpoint, fp16 .pte vs fp32: {mean_sqnr_db(got, ref):.1f} dB; stages:\n{result.stage_table()}")
+    assert mean_sqnr_db(got, ref) >= FP16_MIN_SQNR_DB

@@ -571,3 +571,80 @@ def test_lpbq_emulator_crash_and_fallback(run_python):
     )
     fallback = run_python("-c", _LPBQ_CASE, "fallback")
     assert fallback.returncode == 0 and "RAN" in fallback.stdout, fallback.stderr[-2000:]
+
+
+def peak_extra_mb(fn):
+    """``fn()`` and the most RSS above the starting point while it ran, in MB."""
+    from optimum_qnn.export import _RssSampler
+
+    sampler = _RssSampler()
+    base = sampler.peak
+    sampler.start()
+    out = fn()
+    return out, sampler.stop() - base
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_row_gather_lookups_equal_reference_without_the_table_copy(bits):
+    """Calibration runs the quantized lookups eagerly. ExecuTorch's reference kernels dequantize the whole table per
+    call; within `row_gather_lookups` only the looked-up rows are, with identical results."""
+    from optimum_qnn.config import EmbeddingQuant
+    from optimum_qnn.embedding import QuantizedEmbedding
+    from optimum_qnn.kernels import row_gather_lookups
+
+    table = QuantizedEmbedding(torch.randn(1 << 19, 128, dtype=torch.bfloat16), EmbeddingQuant(bits, 32))  # fp32: 256 MB
+    ids = torch.tensor([[5, 7, 5, 100_000, 0, (1 << 19) - 1]])
+
+    ref, ref_extra = peak_extra_mb(lambda: table(ids))
+    with row_gather_lookups():
+        got, got_extra = peak_extra_mb(lambda: table(ids))
+    assert torch.equal(got, ref)
+    assert got_extra < 32 < 200 < ref_extra, (got_extra, ref_extra)
+    assert peak_extra_mb(lambda: table(ids))[1] > 200  # the reference kernel is back after the block
+
+
+def test_chunked_weight_quantization_equals_reference_with_bounded_temporaries():
+    """Folding a weight's quantization (convert_pt2e) with torch's reference kernel makes several full-size fp32
+    temporaries (3 GB for Gemma-4-E2B's lm_head); the chunked kernel gives the same integers."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (defines quantized_decomposed::quantize_per_channel)
+
+    from optimum_qnn.kernels import chunked_weight_quantization
+
+    w = torch.randn(1 << 18, 512)  # 512 MB
+    scales = w.abs().amax(1) / 7
+    zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+    op = torch.ops.quantized_decomposed.quantize_per_channel
+
+    ref, ref_extra = peak_extra_mb(lambda: op(w, scales, zeros, 0, -8, 7, torch.int8))
+    with chunked_weight_quantization():
+        got, got_extra = peak_extra_mb(lambda: op(w, scales, zeros, 0, -8, 7, torch.int8))
+        other_axis = op(w[:1024], torch.ones(512), torch.zeros(512, dtype=torch.int64), 1, -8, 7, torch.int8)
+    assert torch.equal(got, ref) and got.dtype == torch.int8
+    assert got_extra < 400 < 1000 < ref_extra, (got_extra, ref_extra)
+    torch.testing.assert_close(other_axis, op(w[:1024], torch.ones(512), torch.zeros(512, dtype=torch.int64), 1, -8, 7, torch.int8))
+
+
+@pytest.mark.parametrize("scheme", ["16a8w", "16a4w_block"])
+def test_bounded_memory_convert_equals_torchao_fold(toy, scheme):
+    """`quantization.convert` folds the weights' quantization as `convert_pt2e(fold_quantize=True)` does (same int
+    constants, same outputs) without keeping a dequantized float copy of every weight."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+    from optimum_qnn.quantization import convert, make_quantizer, prepare, tensor_attributes
+
+    def calibrated():
+        prepared = prepare(toy.export(1), make_quantizer(scheme))
+        with torch.no_grad():
+            toy.calibrate(1)(prepared)
+        return prepared
+
+    theirs = convert_pt2e(calibrated())
+    ours = convert(calibrated())
+    ints = lambda g: sorted((n, t) for n, t in tensor_attributes(g) if not t.is_floating_point())  # noqa: E731
+    assert [n for n, _ in ints(ours)] == [n for n, _ in ints(theirs)] and ints(ours)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ints(ours), ints(theirs)))
+    with torch.no_grad():
+        for a, b in zip(ours(*toy.test_inputs), theirs(*toy.test_inputs)):
+            assert torch.equal(a, b)
+    float_bytes = sum(p.nbytes for _, p in ours.named_parameters() if p.is_floating_point())
+    assert float_bytes < sum(p.nbytes for _, p in theirs.named_parameters() if p.is_floating_point())

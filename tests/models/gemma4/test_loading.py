@@ -52,6 +52,20 @@ def test_text_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(model(input_ids=ids).logits, src(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
+def test_embedding_tables_can_stay_in_stored_dtype(tmp_path):
+    """An exporter that quantizes the tables reads them in their stored dtype (bf16), everything else in fp32."""
+    from optimum_qnn.models.gemma4.loading import EMBEDDING_TABLES
+
+    tiny_model(tiny_config()).to(torch.bfloat16).save_pretrained(tmp_path)
+    full, _ = load_text_model(tmp_path)
+    kept, _ = load_text_model(tmp_path, tables_in_stored_dtype=True)
+    params = dict(kept.named_parameters(remove_duplicate=False))
+    assert {n for n, p in params.items() if p.dtype == torch.bfloat16} == set(EMBEDDING_TABLES) | {"lm_head.weight"}
+    assert all(p.dtype == torch.float32 for n, p in params.items() if n not in EMBEDDING_TABLES and n != "lm_head.weight")
+    for name, p in full.named_parameters():
+        assert torch.equal(params[name].float(), p), name  # bf16 -> fp32 is exact
+
+
 def test_missing_tensor_fails_loudly(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -1,0 +1,71 @@
+"""Memory-lean eager CPU kernels for reference ops that the export runs on whole weight tables.
+
+The Python reference kernels of a few quantization ops materialise float copies of an entire table per call:
+ExecuTorch's quantized embedding lookups dequantize the whole table (Gemma-4-E2B's per-layer table: 9.4 GB in
+fp32) at every calibration step, and torch's `quantize_per_channel` makes several full-size fp32 temporaries of the
+weight it folds (3 GB for E2B's 262144 x 1536 lm_head). The kernels here call the same reference code on the rows
+that matter, so results are identical, and are registered for the CPU dispatch key (ahead of the references'
+CompositeExplicitAutograd one) only inside a `with` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+_ROWS_PER_CHUNK_ELEMENTS = 1 << 24  # per-channel quantization runs on about 16 M values at a time (64 MB fp32)
+
+
+@contextlib.contextmanager
+def cpu_kernels(namespace: str, kernels: Mapping[str, Callable]) -> Iterator[None]:
+    """Register `kernels` (overload name -> function) for the CPU key of `namespace` ops within the block."""
+    lib = torch.library.Library(namespace, "IMPL")
+    try:
+        for name, kernel in kernels.items():
+            lib.impl(name, kernel, "CPU")
+        yield
+    finally:
+        lib._destroy()
+
+
+def row_gather_lookups() -> contextlib.AbstractContextManager:
+    """Quantized embedding lookups that dequantize only the rows they look up."""
+    from optimum_qnn.embedding import register_quantized_embedding_ops
+
+    register_quantized_embedding_ops()
+    from executorch.exir.passes import _quant_patterns_and_replacements as reference
+
+    return cpu_kernels("quantized_decomposed", {
+        "embedding_4bit.dtype": _on_gathered_rows(reference.embedding_4bit_dtype),
+        "embedding_byte.dtype": _on_gathered_rows(reference.embedding_byte_dtype),
+    })
+
+
+def _on_gathered_rows(kernel: Callable) -> Callable:
+    def lookup(weight, scales, zero_points, quant_min, quant_max, indices, dtype=None):
+        rows, inverse = torch.unique(indices.reshape(-1), return_inverse=True)
+        zero_points = None if zero_points is None else zero_points[rows]
+        return kernel(weight[rows], scales[rows], zero_points, quant_min, quant_max, inverse.view(indices.shape), dtype)
+
+    return lookup
+
+
+def chunked_weight_quantization() -> contextlib.AbstractContextManager:
+    """`quantized_decomposed::quantize_per_channel` along axis 0 (a linear's output channels) in row chunks."""
+    from torch.ao.quantization.fx import _decomposed as reference
+
+    def quantize_per_channel(input, scales, zero_points, axis, quant_min, quant_max, dtype):
+        rows = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, input[0].numel())) if input.dim() else 1
+        if axis != 0 or input.shape[0] <= rows:
+            return reference.quantize_per_channel(input, scales, zero_points, axis, quant_min, quant_max, dtype)
+        out = torch.empty(input.shape, dtype=dtype)
+        for start in range(0, input.shape[0], rows):
+            stop = start + rows
+            out[start:stop] = reference.quantize_per_channel(
+                input[start:stop], scales[start:stop], zero_points[start:stop], 0, quant_min, quant_max, dtype
+            )
+        return out
+
+    return cpu_kernels("quantized_decomposed", {"quantize_per_channel": quantize_per_channel})
