@@ -1,10 +1,11 @@
-"""Benchmarks: export cost, artifact size, accuracy and runtime speed of the demo Gemma4, per quant scheme.
+"""Benchmarks: export cost per stage (demo model and Gemma-4-E2B widths), the nearest peer, and per quant scheme
+the accuracy, artifact size and runtime speed of the demo Gemma4 on the x86 HTP emulator.
 
-Each scheme is exported in its own process (so peak RSS is that export's), then its .pte runs on the x86 HTP
-emulator. Prints a table and writes benchmarks/RESULTS.md with the machine and versions. Runtime figures say how the
-host side performs (time per step outside the .pte), not how fast a phone is.
+Every export runs in its own process, so its peak RSS is that export's. Prints the tables and writes
+benchmarks/RESULTS.md with the machine and versions. Runtime figures say how the host side performs (time per step
+outside the .pte), not how fast a phone is.
 
-Usage: python benchmarks/run.py [--schemes fp16 16a8w] [--steps 32] [--runs 3]
+Usage: python benchmarks/run.py [--schemes fp16 16a8w] [--depths 2 7] [--no-peer] [--steps 32] [--runs 2]
 """
 
 from __future__ import annotations
@@ -17,20 +18,29 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
+import e2b_width  # noqa: E402
+import peer  # noqa: E402
 import tiny_gemma4  # noqa: E402
 
 SCHEMES = ["fp16", "16a16w", "16a8w", "16a4w", "16a4w_block", "8a8w"]
 CONTEXT, PREFILL = 128, 16
+EVAL_TOKENS = 1024
 EMBEDDING_BITS = {"fp16": 0}  # CPU-side tables: float for fp16, 8-bit per row otherwise
+# Gemma-4-E2B widths at reduced depth: (layers, of which KV-reusing). Depth 7 has sliding and full layers of both kinds.
+DEPTHS = {2: 0, 7: 2}
+E2B_SCHEME, E2B_CONTEXT, E2B_PREFILL = "16a4w", 1024, 128
+STAGES = ["load", "swap", "export", "calibrate", "quantize", "lower", "write"]
+CACHE = Path.home() / ".cache" / "optimum-qnn"
+DEMO_DIR = CACHE / "test-models" / "demo-gemma4"
 # Held-out text for perplexity: docstrings of standard-library modules. The demo model trains on CPython's
 # `pydoc_data.topics` (the language reference), which does not contain them.
 HELD_OUT_MODULES = ["argparse", "collections", "csv", "functools", "itertools", "json", "logging", "pathlib", "subprocess", "textwrap"]
@@ -55,8 +65,24 @@ def size_lower_bound_bytes(hf_model, scheme: str) -> float:
     return (n_rest * QuantScheme.parse(scheme).weight_bits + n_embed * embed_bits) / 8
 
 
-def child(scheme: str, work: Path, steps: int, runs: int) -> dict:
-    """Export one scheme and measure it; runs in its own process."""
+def stage_costs(result) -> dict[str, list[float]]:
+    """Stage name (SoC and evaluation folded in) -> [wall s, peak RSS MB]; "evaluate" runs inside "write"."""
+    costs: dict[str, list[float]] = {}
+    evaluate_s = sum(s.seconds for s in result.stages if s.name == "evaluate")
+    for s in result.stages:
+        if s.name == "evaluate":
+            continue
+        name = s.name.split()[0]
+        seconds = s.seconds - (evaluate_s if name == "write" else 0.0)
+        prev = costs.get(name, [0.0, 0.0])
+        costs[name] = [prev[0] + seconds, max(prev[1], s.peak_rss_mb)]
+    return costs
+
+
+def scheme_child(scheme: str, work: Path, steps: int, runs: int) -> dict:
+    """Export the demo model at one scheme and measure it; runs in its own process."""
+    import torch
+
     from optimum_qnn import StaticCausalLM
     from optimum_qnn.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
@@ -66,20 +92,15 @@ def child(scheme: str, work: Path, steps: int, runs: int) -> dict:
     from optimum_qnn.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
-    model_dir = tiny_gemma4.build(Path.home() / ".cache" / "optimum-qnn" / "test-models" / "demo-gemma4")
-    calib = work / "calib.txt"
-    held_out = work / "held_out.txt"
     config = ExportConfig(
         socs=(Soc.SM8650,), quant=QuantScheme.parse(scheme), mode=ExportMode.HYBRID, shapes=ShapeConfig(CONTEXT, PREFILL),
         embedding_quant=EmbeddingQuant(EMBEDDING_BITS.get(scheme, 8), 0), weight_sharing=False,
     )
     out = work / scheme
-    result = export(model_dir, out, config, calibration=CalibrationSource(file=calib, limit=16), evaluate=held_out)
-    # --evaluate runs inside the write stage: its time is not export time, and the peak RSS of the export is the
-    # process's peak when lowering ends (ru_maxrss only grows).
-    evaluate_s = sum(s.seconds for s in result.stages if s.name == "evaluate")
-    export_stages = [s for s in result.stages if s.name != "evaluate"]
-    hf = load_text_model(model_dir)[0]
+    calibration = CalibrationSource(file=work / "calib.txt", limit=16)
+    result = export(DEMO_DIR, out, config, calibration=calibration, evaluate=work / "held_out.txt", evaluate_tokens=EVAL_TOKENS)
+    costs = stage_costs(result)
+    hf = load_text_model(DEMO_DIR)[0]
     static = StaticCausalLM.from_hf(hf, max_context_len=CONTEXT)
     model = QNNModelForCausalLM.from_pretrained(out, quant=config.quant_tag)
     evaluation = model.manifest.evaluation
@@ -100,9 +121,8 @@ def child(scheme: str, work: Path, steps: int, runs: int) -> dict:
     bound = size_lower_bound_bytes(hf, scheme)
     return {
         "scheme": config.quant_tag,
-        "export s": sum(s.seconds for s in export_stages) - evaluate_s,
-        "lower s": next(s.seconds for s in export_stages if s.name.startswith("lower")),
-        "peak RSS MB": next(s.peak_rss_mb for s in export_stages if s.name.startswith("lower")),
+        "export s": sum(c[0] for c in costs.values()),
+        "peak RSS MB": max(c[1] for c in costs.values()),
         ".pte KB": pte.stat().st_size / 1024,
         "size / bound": pte.stat().st_size / bound,
         "TTFT ms": statistics.median(s.time_to_first_token_s for s in stats) * 1000,
@@ -116,78 +136,235 @@ def child(scheme: str, work: Path, steps: int, runs: int) -> dict:
         "top-1": evaluation.top1_agreement,
         "greedy = HF": int(same.cumprod(0).sum()),
         "eval tokens": evaluation.tokens,
+        "stages": costs,
     }
 
 
-FORMATS = {"host overhead": "{:.1%}", "top-1": "{:.3f}", "size / bound": "{:.2f}x", "PPL fp32": "{:.2f}", "PPL .pte": "{:.2f}",
-           "eval tokens": "{:d}"}
+def e2b_child(depth: int, work: Path) -> dict:
+    """Export the E2B-width checkpoint of `depth` layers (a phone build: hybrid, weights shared); own process."""
+    from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.export import export
+
+    folder = CACHE / "bench-models" / f"e2b-width-{depth}"
+    config = ExportConfig(
+        socs=(Soc.SM8650,), quant=QuantScheme.parse(E2B_SCHEME), mode=ExportMode.HYBRID,
+        shapes=ShapeConfig(E2B_CONTEXT, E2B_PREFILL), weight_sharing=True,
+    )
+    result = export(folder, work / f"e2b-{depth}", config)
+    pte = result.variants[0] / "model.pte"
+    return {"depth": depth, "stages": stage_costs(result), "pte MB": pte.stat().st_size / 2**20}
 
 
-def table(rows: list[dict], steps: int) -> str:
-    header = [k for k in rows[0] if k != "eval tokens"]
+# ---------------------------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------------------------
+
+FORMATS = {"host overhead": "{:.1%}", "top-1": "{:.3f}", "size / bound": "{:.2f}x", "PPL fp32": "{:.2f}", "PPL .pte": "{:.2f}"}
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def scheme_table(rows: list[dict], steps: int) -> str:
+    header = [k for k in rows[0] if k not in ("eval tokens", "stages")]
+    cells = []
     for row in rows:
-        cells = [row["scheme"]]
+        line = [row["scheme"]]
         for key in header[1:]:
             fmt = "{:d}/" + str(steps) if key == "greedy = HF" else FORMATS.get(key, "{:.1f}")
-            cells.append(fmt.format(row[key]))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            line.append(fmt.format(row[key]))
+        cells.append(line)
+    return markdown(header, cells)
+
+
+def fit_layers(points: list[tuple[float, float]], target: float) -> tuple[float, float]:
+    """Least-squares line through (layer parameters, y); returns (slope per parameter, value at `target`)."""
+    xs, ys = zip(*points)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    return slope, my + slope * (target - mx)
+
+
+def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
+    """The per-stage table (wall s / peak RSS GB), with per-layer costs and the 35-layer extrapolation."""
+    header = ["model", *[f"{s} s / GB" for s in STAGES], "total s", "peak GB"]
+
+    def line(name: str, stages: dict[str, list[float]], total_s: float | None = None, peak: float | None = None) -> list[str]:
+        cells = [name]
+        for s in STAGES:
+            sec, mb = stages.get(s, [0.0, 0.0])
+            cells.append(f"{sec:.0f} / {mb / 1024:.1f}")
+        total_s = sum(c[0] for c in stages.values()) if total_s is None else total_s
+        peak = max(c[1] for c in stages.values()) / 1024 if peak is None else peak
+        cells += [f"{total_s:.0f}", f"{peak:.1f}"]
+        return cells
+
+    rows, notes = [], []
+    if demo is not None:
+        rows.append(line(f"demo Gemma4 ({demo['scheme']}, hybrid, ctx {CONTEXT})", demo["stages"]))
+    full_layers = e2b_width.depth_parameters(e2b_width.e2b_config())
+    per_layer_params = full_layers / e2b_width.E2B_LAYERS
+    xs = {}
+    for r in e2b:
+        xs[r["depth"]] = e2b_width.depth_parameters(e2b_width.e2b_config(r["depth"], DEPTHS[r["depth"]]))
+        rows.append(line(f"E2B widths, {r['depth']} layers ({DEPTHS[r['depth']]} reuse KV)", r["stages"]))
+    if len(e2b) >= 2:
+        slope_row, extra_row = {}, {}
+        for s in STAGES:
+            slope_t, at_t = fit_layers([(xs[r["depth"]], r["stages"][s][0]) for r in e2b], full_layers)
+            slope_m, at_m = fit_layers([(xs[r["depth"]], r["stages"][s][1]) for r in e2b], full_layers)
+            slope_row[s] = [slope_t * per_layer_params, slope_m * per_layer_params]
+            extra_row[s] = [at_t, at_m]
+        rows.append(line("per E2B layer (fit, see below)", slope_row, peak=max(v[1] for v in slope_row.values()) / 1024))
+        rows.append(line("**extrapolated: E2B, 35 layers**", extra_row))
+        total = sum(v[0] for v in extra_row.values())
+        peak = max(v[1] for v in extra_row.values()) / 1024
+        notes.append(
+            f"Extrapolated full Gemma-4-E2B export ({E2B_SCHEME}, hybrid, weights shared): about {total / 60:.0f} min and "
+            f"{peak:.1f} GB peak RSS. This is an extrapolation, not a measurement."
+        )
+    return markdown(header, rows), notes
+
+
+def peer_table(ours: dict[str, peer.ProcessCost], theirs: peer.ProcessCost) -> str:
+    header = ["exporter", "what it builds", "wall s", "peak RSS MB", "wall / peer", "RSS / peer"]
+    rows = [[f"optimum-executorch 1.1.0 `--recipe xnnpack --max_seq_len {CONTEXT}`", "XNNPACK fp32, one token per call",
+             f"{theirs.wall_s:.0f}", f"{theirs.peak_rss_mb:.0f}", "1.00x", "1.00x"]]
+    for what, cost in ours.items():
+        rows.append(["optimum-qnn `export qnn`", what, f"{cost.wall_s:.0f}", f"{cost.peak_rss_mb:.0f}",
+                     f"{cost.wall_s / theirs.wall_s:.2f}x", f"{cost.peak_rss_mb / theirs.peak_rss_mb:.2f}x"])
+    return markdown(header, rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_child(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("ROW ")), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"benchmark process {' '.join(args)} failed (exit {proc.returncode})")
+    print(line, flush=True)
+    return json.loads(line[4:])
+
+
+# Like for like with the peer's XNNPACK recipe: float weights, no calibration, one method taking a token per call.
+OUR_PEER_RUN = (f"QNN fp16, decode only (`--quant fp16 --mode kv --embedding-quant none --max-seq-len {CONTEXT}`)",
+                ["--quant", "fp16", "--mode", "kv", "--embedding-quant", "none", "--max-seq-len", str(CONTEXT)])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schemes", nargs="+", default=SCHEMES)
+    parser.add_argument("--schemes", nargs="*", default=SCHEMES)
+    parser.add_argument("--depths", nargs="*", type=int, default=list(DEPTHS), choices=list(DEPTHS))
+    parser.add_argument("--no-peer", action="store_true", help="skip the optimum-executorch side by side")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per run")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--e2b-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("ROW " + json.dumps(child(args.child, args.work, args.steps, args.runs)), flush=True)
+        print("ROW " + json.dumps(scheme_child(args.child, args.work, args.steps, args.runs)), flush=True)
+        return 0
+    if args.e2b_child is not None:
+        print("ROW " + json.dumps(e2b_child(args.e2b_child, args.work)), flush=True)
         return 0
 
+    t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="optimum-qnn-bench-"))
-    tiny_gemma4.build(Path.home() / ".cache" / "optimum-qnn" / "test-models" / "demo-gemma4")
+    tiny_gemma4.build(DEMO_DIR)
     (work / "calib.txt").write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
     (work / "held_out.txt").write_text(held_out_text())
+
     rows = []
     for scheme in args.schemes:
-        print(f"== {scheme}", flush=True)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", scheme, "--work", str(work), "--steps", str(args.steps), "--runs", str(args.runs)],
-            stdout=subprocess.PIPE, text=True,
-        )
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("ROW ")), None)
-        if proc.returncode != 0 or line is None:
-            print(f"{scheme}: the benchmark process failed (exit {proc.returncode})", file=sys.stderr)
-            return 1
-        rows.append(json.loads(line[4:]))
-        print(line, flush=True)
+        print(f"== demo model, {scheme}", flush=True)
+        rows.append(run_child(["--child", scheme, "--work", str(work), "--steps", str(args.steps), "--runs", str(args.runs)]))
+    e2b = []
+    for depth in args.depths:
+        print(f"== E2B widths, {depth} layers", flush=True)
+        e2b_width.build(CACHE / "bench-models" / f"e2b-width-{depth}", depth, DEPTHS[depth])
+        e2b.append(run_child(["--e2b-child", str(depth), "--work", str(work)]))
+    peer_text = ""
+    if not args.no_peer:
+        print("== optimum-executorch side by side", flush=True)
+        model_dir = peer.build_shared_model(CACHE / "bench-models" / "demo-shared-heads", DEMO_DIR)
+        theirs = peer.peer_export(model_dir, work / "peer", work / "peer.log", max_seq_len=CONTEXT)
+        if theirs.returncode:
+            raise SystemExit(f"optimum-executorch export failed (exit {theirs.returncode}); see {theirs.log}")
+        what, extra = OUR_PEER_RUN
+        ours = {what: peer.our_export(model_dir, work / "ours", work / "ours.log", *extra)}
+        if ours[what].returncode:
+            raise SystemExit(f"optimum-qnn export failed (exit {ours[what].returncode}); see {ours[what].log}")
+        peer_text = peer_table(ours, theirs)
 
+    demo_cost = next((r for r in rows if r["scheme"] == "16a8w"), rows[0] if rows else None)
+    cost_text, notes = cost_tables(demo_cost, e2b)
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "executorch", "onnxruntime-qnn", "transformers"))
+    import torch
+
     text = (
         "# Benchmarks\n\n"
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, Python {platform.python_version()}; {versions}.\n\n"
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{_mem_total_gb():.0f} GB RAM, Python {platform.python_version()}; {versions}. "
+        f"Written by `make bench` in {(time.perf_counter() - t_start) / 60:.0f} min.\n\n"
+        "## Export cost per stage\n\n"
+        "Wall seconds and the highest RSS of the export process while the stage ran (sampled every 50 ms), from load "
+        "to write; each export runs in its own process.\n\n"
+        f"- demo Gemma4: examples/tiny_gemma4.py (every trait on, {rows and 'trained here'}), SM8650.\n"
+        f"- E2B widths: benchmarks/e2b_width.py, Gemma-4-E2B's real widths (hidden 1536, 8 heads, 1 KV head, "
+        "head_dim 256/512, MLP 6144/12288, vocab 262144, per-layer embeddings 256 per layer) with random bf16 "
+        f"weights at reduced depth; {E2B_SCHEME}, hybrid (prefill {E2B_PREFILL} + decode), context {E2B_CONTEXT}, "
+        "weights shared between the two graphs (the phone build), 4-bit embedding tables, SM8650, calibration on "
+        "random ids (no tokenizer).\n"
+        "- per E2B layer: the slope of a line through the measured depths against the parameters that grow with "
+        "depth (decoder layers, and the per-layer embedding table, 256 columns per layer), times those of an "
+        "average E2B layer (120 M: 53 M in the layer, KV-reusing layers having a double-wide MLP, and 67 M of "
+        "table). The extrapolated row is that line at E2B's 35 layers (4.21 B such parameters); the token table "
+        "and lm_head are in the intercept. Peak RSS is fitted per stage and the maximum taken. It is an "
+        "extrapolation from two depths, not a measurement.\n\n"
+        + cost_text + "\n\n" + "".join(f"{n}\n\n" for n in notes)
+        + ("## Side by side with optimum-executorch\n\n"
+           "Both as fresh `optimum-cli` processes on the same tiny model (import time included; peak RSS of the "
+           "process): the demo Gemma4's config with one head layout on every layer (optimum-executorch sizes its KV "
+           "cache from the global `num_key_value_heads`/`head_dim`, which the demo's mixed 32/64 head_dim does not "
+           "have; every other trait on), random weights (benchmarks/peer.py). optimum-executorch 1.1.0 is installed "
+           "with `--no-deps` beside this stack (it pins transformers 5.0.0rc1, which has no Gemma4); its XNNPACK "
+           "recipe exports fp32 weights with no calibration and takes one token per call, so the like-for-like row "
+           "is our fp16 decode-only export. Ratios are against the peer.\n\n" + peer_text + "\n\n"
+           if peer_text else "")
+        + "## Accuracy, size and runtime per quant scheme\n\n"
         f"Model: the demo Gemma4 (examples/tiny_gemma4.py: every trait on, trained on CPython's `pydoc_data.topics`), "
-        f"hybrid, context {CONTEXT}, prefill {PREFILL}, SM8650, run on the x86 HTP emulator. Each export runs in its own "
-        "process; export s and peak RSS cover load to write. CPU embedding tables: float for fp16, 8-bit per row "
-        "otherwise.\n\n"
+        f"hybrid, context {CONTEXT}, prefill {PREFILL}, SM8650, run on the x86 HTP emulator. CPU embedding tables: "
+        "float for fp16, 8-bit per row otherwise.\n\n"
+        "- export s / peak RSS MB: load to write, in-process (import not included).\n"
         "- size / bound: the .pte against parameters x bits (HTP weights at the scheme's width including the lm_head "
         "copy, embedding tables at theirs). These emulator builds have weight sharing off, so the prefill and decode "
         "graphs each hold the HTP weights: about 2x is expected; a phone build (weight sharing on) stores them once.\n"
-        f"- PPL: perplexity on {rows[0]['eval tokens']} held-out tokens (docstrings of the standard-library modules "
-        f"{', '.join(HELD_OUT_MODULES)}), fp32 Hugging Face vs the .pte, in windows of the context "
-        "(`optimum-cli export qnn --evaluate`); SQNR and top-1 are the logits over the same tokens.\n"
-        "- decode SQNR: 91 tokens fed one by one through the decode method only, against fp32.\n"
+        + (f"- PPL: perplexity on {rows[0]['eval tokens']} held-out tokens (docstrings of the standard-library modules "
+           f"{', '.join(HELD_OUT_MODULES)}), fp32 Hugging Face vs the .pte, in windows of the context "
+           "(`optimum-cli export qnn --evaluate`); SQNR and top-1 are the logits over the same tokens.\n" if rows else "")
+        + "- decode SQNR: 91 tokens fed one by one through the decode method only, against fp32.\n"
         f"- greedy = HF: of {args.steps} new tokens, how many equal Hugging Face `generate` before the first difference.\n"
         f"- TTFT, tok/s and host overhead (the share of a decode step spent outside the .pte's execute call): a 33-token "
-        f"prompt, {args.steps} decode steps, median of {args.runs} runs. Emulator speed says nothing about a phone's speed.\n\n"
-        + table(rows, args.steps) + "\n"
+        f"prompt, {args.steps} decode steps, median of {args.runs} runs. Emulator speed says nothing about a phone's "
+        "speed.\n\n"
+        + (scheme_table(rows, args.steps) if rows else "(no scheme run)") + "\n"
     )
     (HERE / "RESULTS.md").write_text(text)
     print(text)
     return 0
+
+
+def _mem_total_gb() -> float:
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) / 2**20
 
 
 if __name__ == "__main__":

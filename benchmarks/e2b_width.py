@@ -1,0 +1,129 @@
+"""A Gemma4 text checkpoint with Gemma-4-E2B's real widths and random weights, at reduced depth.
+
+E2B (published config): 35 layers (4 sliding + 1 full, repeated; window 512), the last 20 reuse the KV of an
+earlier layer, hidden 1536, 8 query heads, 1 KV head, head_dim 256 sliding / 512 full with partial RoPE,
+MLP 6144 (12288 in the KV-reusing layers), vocab 262144, per-layer embeddings of 256 per layer, softcap 30.
+`e2b_config(depth, reuse)` keeps every width and the layer pattern and cuts the depth (the last layer is full, as
+in E2B): the first `depth - reuse` layers own a KV cache, the last `reuse` layers reuse one. Depth 7 with 2 reusing
+layers has sliding and full layers of both kinds.
+
+The weights are stored in bfloat16, as the real checkpoint's are, and written tensor by tensor from a meta-device
+model, so building one never holds an fp32 copy of the 262144-row tables.
+
+Usage: python benchmarks/e2b_width.py OUT_DIR --depth 7 --reuse 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+E2B_LAYERS, E2B_REUSE = 35, 20
+RECIPE_VERSION = 1
+
+
+def e2b_config(depth: int = E2B_LAYERS, reuse: int = E2B_REUSE) -> Gemma4TextConfig:
+    """Gemma-4-E2B's text config with `depth` layers, the last `reuse` of which reuse an earlier layer's KV."""
+    pattern = ["sliding_attention"] * 4 + ["full_attention"]
+    return Gemma4TextConfig(
+        vocab_size=262144,
+        vocab_size_per_layer_input=262144,
+        hidden_size=1536,
+        intermediate_size=6144,
+        num_hidden_layers=depth,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        # transformers forces the last layer to full attention (E2B's 35th is full anyway)
+        layer_types=[pattern[i % 5] for i in range(depth - 1)] + ["full_attention"],
+        sliding_window=512,
+        num_kv_shared_layers=reuse,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=256,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+
+
+def parameter_counts(config: Gemma4TextConfig) -> dict[str, int]:
+    """Parameters of the token table, the per-layer embedding table (its width grows with depth), the decoder
+    layers, and the rest (norms and the per-layer projection)."""
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    counts = {"token_table": 0, "per_layer_table": 0, "layers": 0, "other": 0}
+    for name, p in model.named_parameters():
+        if "embed_tokens_per_layer" in name:
+            key = "per_layer_table"
+        elif "embed_tokens" in name:
+            key = "token_table"
+        else:
+            key = "layers" if ".layers." in name else "other"
+        counts[key] += p.numel()
+    return counts
+
+
+def depth_parameters(config: Gemma4TextConfig) -> int:
+    """The parameters that grow with depth: the decoder layers and the per-layer embedding table."""
+    counts = parameter_counts(config)
+    return counts["layers"] + counts["per_layer_table"]
+
+
+def build(folder: Path, depth: int, reuse: int, seed: int = 0) -> Path:
+    """Write (once; cached by recipe) a random-weight E2B-width checkpoint with `depth` layers to `folder`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    stamp = folder / "recipe.json"
+    recipe = {"version": RECIPE_VERSION, "depth": depth, "reuse": reuse, "seed": seed}
+    if stamp.is_file() and json.loads(stamp.read_text()) == recipe:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    config = e2b_config(depth, reuse)
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the token table
+        if p.dim() >= 2:
+            t = torch.empty(p.shape, dtype=torch.bfloat16)
+            rows = max(1, (1 << 24) // max(1, p[0].numel()))
+            for start in range(0, p.shape[0], rows):  # fp32 noise one chunk at a time
+                chunk = torch.randn((min(rows, p.shape[0] - start),) + tuple(p.shape[1:]), generator=gen)
+                t[start : start + rows] = chunk.mul_(0.02)
+        else:
+            t = torch.ones(p.shape, dtype=torch.bfloat16)  # norms, layer scalars
+        tensors[name] = t
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.dtype = "bfloat16"
+    config.save_pretrained(folder)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    stamp.write_text(json.dumps(recipe))
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--depth", type=int, default=7)
+    parser.add_argument("--reuse", type=int, default=2)
+    args = parser.parse_args()
+    print(build(args.out, args.depth, args.reuse))
+
+
+if __name__ == "__main__":
+    main()
