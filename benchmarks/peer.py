@@ -3,7 +3,7 @@
 optimum-executorch 1.1.0 pins transformers 5.0.0rc1 (which has no Gemma4), so it is installed with `--no-deps`
 into its own folder (`benchmarks/.peer/`, ignored by git) with accelerate, which it needs and runs on this project's stack through PYTHONPATH.
 Both exporters run as fresh `optimum-cli` processes; wall time and peak RSS are the whole process's (import
-included), read with `os.wait4`.
+included; VmHWM, see peak_rss.py).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ class ProcessCost:
     log: str
 
 
-def measure(cmd: list[str], *, env: dict[str, str] | None = None, log: Path) -> ProcessCost:
-    """Run `cmd`, its output to `log`; wall time and the peak RSS of that process (not of this one)."""
+def measure(module_args: list[str], *, env: dict[str, str] | None = None, log: Path) -> ProcessCost:
+    """Run `python -m <module_args>` with its output to `log`: its wall time and its own peak RSS (VmHWM)."""
+    peak_file = log.with_suffix(".peak")
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "peak_rss.py"), str(peak_file), "-m", *module_args]
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return ProcessCost(time.perf_counter() - t0, usage.ru_maxrss / 1024, proc.returncode, str(log))
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    peak = float(peak_file.read_text()) if peak_file.is_file() else float("nan")
+    return ProcessCost(time.perf_counter() - t0, peak, code, str(log))
 
 
 def install_peer() -> Path:
@@ -54,7 +55,7 @@ def peer_export(model_dir: Path, out: Path, log: Path, max_seq_len: int) -> Proc
     """`optimum-cli export executorch --recipe xnnpack` of `model_dir` (fp32 weights, one token per call)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(install_peer()), os.environ.get("PYTHONPATH")])))
     cmd = [
-        sys.executable, "-m", "optimum.commands.optimum_cli", "export", "executorch", "--model", str(model_dir),
+        "optimum.commands.optimum_cli", "export", "executorch", "--model", str(model_dir),
         "--task", "text-generation", "--recipe", "xnnpack", "--output_dir", str(out), "--max_seq_len", str(max_seq_len),
     ]
     return measure(cmd, env=env, log=log)
@@ -62,7 +63,7 @@ def peer_export(model_dir: Path, out: Path, log: Path, max_seq_len: int) -> Proc
 
 def our_export(model_dir: Path, out: Path, log: Path, *args: str) -> ProcessCost:
     """`optimum-cli export qnn` of `model_dir` with extra CLI `args`."""
-    cmd = [sys.executable, "-m", "optimum.commands.optimum_cli", "export", "qnn", "--model", str(model_dir),
+    cmd = ["optimum.commands.optimum_cli", "export", "qnn", "--model", str(model_dir),
            "--output", str(out), *args]
     return measure(cmd, log=log)
 

@@ -5,12 +5,13 @@ Every export runs in its own process, so its peak RSS is that export's. Prints t
 benchmarks/RESULTS.md with the machine and versions. Runtime figures say how the host side performs (time per step
 outside the .pte), not how fast a phone is.
 
-Usage: python benchmarks/run.py [--schemes fp16 16a8w] [--depths 2 7] [--no-peer] [--steps 32] [--runs 2]
+Usage: python benchmarks/run.py [--sections schemes e2b peer] [--schemes fp16 16a8w] [--depths 2 7] [--steps 32] [--runs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import platform
@@ -38,6 +39,8 @@ EMBEDDING_BITS = {"fp16": 0}  # CPU-side tables: float for fp16, 8-bit per row o
 # Gemma-4-E2B widths at reduced depth: (layers, of which KV-reusing). Depth 7 has sliding and full layers of both kinds.
 DEPTHS = {2: 0, 7: 2}
 E2B_SCHEME, E2B_CONTEXT, E2B_PREFILL = "16a4w", 1024, 128
+SECTIONS = ["schemes", "e2b", "peer"]
+ROWS_FILE = HERE / "rows.json"
 STAGES = ["load", "swap", "export", "calibrate", "quantize", "lower", "write"]
 CACHE = Path.home() / ".cache" / "optimum-qnn"
 DEMO_DIR = CACHE / "test-models" / "demo-gemma4"
@@ -262,7 +265,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="*", default=SCHEMES)
     parser.add_argument("--depths", nargs="*", type=int, default=list(DEPTHS), choices=list(DEPTHS))
-    parser.add_argument("--no-peer", action="store_true", help="skip the optimum-executorch side by side")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
+                        help="measure only these; the others are read from benchmarks/rows.json (a previous run)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per run")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -276,34 +280,49 @@ def main() -> int:
         print("ROW " + json.dumps(e2b_child(args.e2b_child, args.work)), flush=True)
         return 0
 
-    t_start = time.perf_counter()
+    stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
+    missing = [s for s in SECTIONS if s not in args.sections and s not in stored]
+    if missing:
+        raise SystemExit(f"No stored rows for {missing} in {ROWS_FILE}: measure them (--sections {' '.join(SECTIONS)})")
+    results = {s: stored[s] for s in SECTIONS if s not in args.sections}
+    minutes = {s: stored["minutes"][s] for s in results}
     work = Path(tempfile.mkdtemp(prefix="optimum-qnn-bench-"))
+    t0 = time.perf_counter()
     tiny_gemma4.build(DEMO_DIR)
     (work / "calib.txt").write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
     (work / "held_out.txt").write_text(held_out_text())
 
-    rows = []
-    for scheme in args.schemes:
-        print(f"== demo model, {scheme}", flush=True)
-        rows.append(run_child(["--child", scheme, "--work", str(work), "--steps", str(args.steps), "--runs", str(args.runs)]))
-    e2b = []
-    for depth in args.depths:
-        print(f"== E2B widths, {depth} layers", flush=True)
-        e2b_width.build(CACHE / "bench-models" / f"e2b-width-{depth}", depth, DEPTHS[depth])
-        e2b.append(run_child(["--e2b-child", str(depth), "--work", str(work)]))
-    peer_text = ""
-    if not args.no_peer:
+    if "schemes" in args.sections:
+        results["schemes"] = []
+        for scheme in args.schemes:
+            print(f"== demo model, {scheme}", flush=True)
+            child = ["--child", scheme, "--work", str(work), "--steps", str(args.steps), "--runs", str(args.runs)]
+            results["schemes"].append(run_child(child))
+        minutes["schemes"], t0 = (time.perf_counter() - t0) / 60, time.perf_counter()
+    if "e2b" in args.sections:
+        results["e2b"] = []
+        for depth in args.depths:
+            print(f"== E2B widths, {depth} layers", flush=True)
+            e2b_width.build(CACHE / "bench-models" / f"e2b-width-{depth}", depth, DEPTHS[depth])
+            results["e2b"].append(run_child(["--e2b-child", str(depth), "--work", str(work)]))
+        minutes["e2b"], t0 = (time.perf_counter() - t0) / 60, time.perf_counter()
+    if "peer" in args.sections:
         print("== optimum-executorch side by side", flush=True)
         model_dir = peer.build_shared_model(CACHE / "bench-models" / "demo-shared-heads", DEMO_DIR)
         theirs = peer.peer_export(model_dir, work / "peer", work / "peer.log", max_seq_len=CONTEXT)
         if theirs.returncode:
             raise SystemExit(f"optimum-executorch export failed (exit {theirs.returncode}); see {theirs.log}")
         what, extra = OUR_PEER_RUN
-        ours = {what: peer.our_export(model_dir, work / "ours", work / "ours.log", *extra)}
-        if ours[what].returncode:
-            raise SystemExit(f"optimum-qnn export failed (exit {ours[what].returncode}); see {ours[what].log}")
-        peer_text = peer_table(ours, theirs)
+        ours = peer.our_export(model_dir, work / "ours", work / "ours.log", *extra)
+        if ours.returncode:
+            raise SystemExit(f"optimum-qnn export failed (exit {ours.returncode}); see {ours.log}")
+        results["peer"] = {"theirs": dataclasses.asdict(theirs), "ours": {what: dataclasses.asdict(ours)}}
+        minutes["peer"] = (time.perf_counter() - t0) / 60
+    ROWS_FILE.write_text(json.dumps({**results, "minutes": minutes}, indent=1) + "\n")
 
+    rows, e2b = results["schemes"], results["e2b"]
+    theirs = peer.ProcessCost(**results["peer"]["theirs"])
+    peer_text = peer_table({k: peer.ProcessCost(**v) for k, v in results["peer"]["ours"].items()}, theirs)
     demo_cost = next((r for r in rows if r["scheme"] == "16a8w"), rows[0] if rows else None)
     cost_text, notes = cost_tables(demo_cost, e2b)
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "executorch", "onnxruntime-qnn", "transformers"))
@@ -313,7 +332,8 @@ def main() -> int:
         "# Benchmarks\n\n"
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, "
         f"{_mem_total_gb():.0f} GB RAM, Python {platform.python_version()}; {versions}. "
-        f"Written by `make bench` in {(time.perf_counter() - t_start) / 60:.0f} min.\n\n"
+        "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
+        f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
         "## Export cost per stage\n\n"
         "Wall seconds and the highest RSS of the export process while the stage ran (sampled every 50 ms), from load "
         "to write; each export runs in its own process.\n\n"
