@@ -97,7 +97,7 @@ def _stage(result: ExportResult, name: str) -> Iterator[None]:
         yield
     finally:
         seconds = time.perf_counter() - t0
-        peak = sampler.stop() if sampler else 0.0
+        peak = sampler.stop() if sampler else peak_rss_mb()  # without /proc: the process's peak so far
         if peak_rss_mb() > high_water:  # a new process peak was set during this stage (catches spikes < 50 ms)
             peak = max(peak, peak_rss_mb())
     result.stages.append(StageStats(name, seconds, peak))

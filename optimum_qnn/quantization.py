@@ -455,7 +455,6 @@ def quantize_shared(
     Raises:
         ValueError: for an unknown `calibrate_on`, or graphs whose observers do not pair up.
     """
-
     if calibrate_on not in programs:
         raise ValueError(f"Unknown graph {calibrate_on!r} to calibrate on; expected one of: {', '.join(programs)}")
     with stage("calibrate"):
@@ -527,8 +526,7 @@ def _drop_unused_tensors(graph: torch.fx.GraphModule) -> None:
     names = [n for n, _ in graph.named_parameters(remove_duplicate=False)] + [n for n, _ in graph.named_buffers(remove_duplicate=False)]
     for name in names:
         if name not in used:
-            owner, _, attr = name.rpartition(".")
-            module = graph.get_submodule(owner) if owner else graph
+            module, attr = _owner(graph, name)
             if attr in module._parameters:
                 del module._parameters[attr]
             elif attr in module._buffers:
@@ -548,8 +546,7 @@ def share_equal_constants(source: torch.fx.GraphModule, target: torch.fx.GraphMo
         if same is None or same is tensor or same.shape != tensor.shape or same.dtype != tensor.dtype:
             continue
         if torch.equal(same, tensor):
-            owner, _, attr = name.rpartition(".")
-            module = target.get_submodule(owner) if owner else target
+            module, attr = _owner(target, name)
             if attr in module._parameters:
                 module._parameters[attr] = source.get_parameter(name)
             elif attr in module._buffers:
@@ -558,6 +555,12 @@ def share_equal_constants(source: torch.fx.GraphModule, target: torch.fx.GraphMo
                 setattr(module, attr, same)
             freed += tensor.nbytes
     return freed
+
+
+def _owner(graph: torch.fx.GraphModule, name: str) -> tuple[nn.Module, str]:
+    """The submodule holding the attribute at dotted path `name`, and the attribute's own name."""
+    owner, _, attr = name.rpartition(".")
+    return (graph.get_submodule(owner) if owner else graph), attr
 
 
 def tensor_attributes(graph: torch.fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
