@@ -159,8 +159,8 @@ def lower_to_pte(
 
     Args:
         programs: method name -> `ExportedProgram` or `(module, example_inputs)`; a PT2E-quantized method is the
-            `convert_pt2e` graph (as is, or re-exported). ExecuTorch's Qualcomm pipeline re-exports every method
-            strictly, applying its own export passes before `to_edge`. Several methods must split into the same
+            `convert_pt2e` graph (as is, or re-exported). Each method is re-exported (non-strict) for this lowering,
+            so the sources are left as they were and can be lowered again for another SoC. Several methods must split into the same
             number of QNN partitions (their i-th partitions share a context).
         soc: the target SoC.
         fp16: floating-point graphs compiled at HTP fp16; False for quantized (PT2E) graphs.
@@ -194,29 +194,17 @@ def lower_to_pte(
         weight_sharing = multiple
     ensure_qnn_sdk()
     from executorch.backends.qualcomm._passes.build_quant_io import BuildQuantIo
-    from executorch.backends.qualcomm.utils.utils import to_edge_transform_and_lower_to_qnn
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
 
-    modules, inputs = {}, {}
-    for name, source in programs.items():
-        modules[name], inputs[name] = _as_module_and_inputs(name, source)
     # The same spec for every method: QnnBackend.preprocess_multimethod compiles the i-th partition of all
     # methods into one context with the FIRST method's spec, so differing specs would be silently ignored.
     spec = compile_specs(soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer)
-    specs = {name: spec for name in programs}
     logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
     with quiet_native_output() as native_log:
-        edge = to_edge_transform_and_lower_to_qnn(
-            modules,
-            inputs,
-            specs,
-            constant_methods=dict(constant_methods) if constant_methods else None,
-            skip_node_op_set=set(skip_ops),
-            passes_job=_passes_job(int64_inputs),
-            # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
-            # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
-            convert_linear_to_conv2d=True,
+        exported = {name: _export_method(name, source) for name, source in programs.items()}
+        edge = _to_edge_and_lower(
+            exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, passes_job=_passes_job(int64_inputs)
         )
         delegation = delegation_summary(edge)
         config = ExecutorchBackendConfig(
@@ -286,15 +274,68 @@ def _passes_job(int64_inputs: Collection[str]):
     return job
 
 
-def _as_module_and_inputs(name: str, source: MethodSource) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+def _export_method(name: str, source: MethodSource) -> torch.export.ExportedProgram:
+    """A fresh ExportedProgram of one method (the QNN passes rewrite it in place, so each lowering gets its own).
+
+    Non-strict: the graphs are already ATen graphs (ours, or PT2E's converted ones), so Dynamo has nothing to add;
+    ExecuTorch's `to_edge_transform_and_lower_to_qnn` re-exports strictly, which was 16% of a lowering's wall time.
+    """
     if isinstance(source, torch.export.ExportedProgram):
         args, kwargs = source.example_inputs or ((), {})
         if kwargs:
             raise ValueError(f"Method {name!r}: exported with keyword inputs; QNN methods take positional inputs only")
-        return source.module(), tuple(args)
-    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], torch.nn.Module):
-        return source[0], tuple(source[1])
-    raise TypeError(f"Method {name!r}: expected an ExportedProgram or (module, example_inputs); got {type(source).__name__}")
+        module, inputs = source.module(), tuple(args)
+    elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], torch.nn.Module):
+        module, inputs = source[0], tuple(source[1])
+    else:
+        raise TypeError(f"Method {name!r}: expected an ExportedProgram or (module, example_inputs); got {type(source).__name__}")
+    return torch.export.export(module, inputs, strict=False)
+
+
+def _to_edge_and_lower(
+    exported: Mapping[str, torch.export.ExportedProgram],
+    spec: list[CompileSpec],
+    *,
+    constant_methods: Mapping[str, Any] | None,
+    skip_ops: Collection[str],
+    passes_job,
+) -> EdgeProgramManager:
+    """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
+    export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+    from executorch.backends.qualcomm.utils.utils import (
+        flatbuffer_to_option,
+        generate_qnn_executorch_option,
+        qnn_edge_config,
+    )
+    from executorch.exir import to_edge_transform_and_lower
+
+    backend_type = flatbuffer_to_option(generate_qnn_executorch_option(spec)).backend_options.backend_type
+    aten, transform_passes, partitioners = {}, {}, {}
+    for name, program in exported.items():
+        manager = get_qnn_pass_manager_cls(backend_type)()
+        # Before edge conversion: these passes add constants that lift_constant_tensor_pass must lift.
+        aten[name] = manager.transform_for_export_pipeline(program)
+        transform_passes[name] = manager.get_to_edge_transform_passes(
+            program,
+            passes_job=passes_job,
+            compiler_specs=spec,
+            skip_node_op_set=set(skip_ops),
+            # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
+            # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
+            convert_linear_to_conv2d=True,
+        )
+        partitioners[name] = [QnnPartitioner(spec, skip_node_op_set=set(skip_ops))]
+    with QnnManagerContext({name: spec for name in exported}):
+        return to_edge_transform_and_lower(
+            aten,
+            transform_passes=transform_passes,
+            partitioner=partitioners,
+            constant_methods=dict(constant_methods) if constant_methods else None,
+            compile_config=qnn_edge_config(),
+        )
 
 
 def delegation_summary(edge: EdgeProgramManager) -> dict[str, MethodDelegation]:
