@@ -209,7 +209,7 @@ class VariantWriter:
                     kv_io_bits=32,
                     recipe=[QuantRecipeRow(r.module, r.op, r.activation, r.weight, r.count) for r in quant_rows or []],
                 ),
-                contract=contract_section(contract, weight_sharing=lowered.weight_sharing),
+                contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards),
                 tokenizer=self._tokenizer_info(root_files),
                 program=file_entry(staging, PROGRAM_NAME),
                 files=[file_entry(staging, PROGRAM_NAME)],

@@ -60,6 +60,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
     opt.add_argument("--no-weight-sharing", action="store_true",
                      help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
+    opt.add_argument("--shards", type=int, default=_DEFAULTS.shards, metavar="N",
+                     help="split the decoder layers into N QNN contexts compiled one at a time: lower peak memory when "
+                          "lowering big models (default: %(default)s)")
     cal = parser.add_argument_group("calibration (quantized schemes)")
     src = cal.add_mutually_exclusive_group()
     src.add_argument("--calib-file", type=Path, help="plain text (paragraphs) or JSONL with a 'text' field")
@@ -92,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         embedding_quant=EmbeddingQuant.parse(args.embedding_quant),
         weight_sharing=not args.no_weight_sharing,
         overrides=tuple(_parse_override(text) for text in args.quant_override),
+        shards=args.shards,
     )
 
 

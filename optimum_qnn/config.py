@@ -161,8 +161,13 @@ class ExportConfig:
     # Per-module precision overrides: (module-path regex, scheme) pairs, first match wins, e.g.
     # (("lm_head", QuantScheme.A16W8),) keeps the output projection at 8-bit weights under a 4-bit scheme.
     overrides: tuple[tuple[str, QuantScheme], ...] = ()
+    # Split the decoder layers into this many QNN contexts, compiled one after the other: the compiler then holds
+    # one shard's weights at a time (lower peak memory for big models); a phone loads them as separate contexts.
+    shards: int = 1
 
     def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"shards must be at least 1; got {self.shards}")
         if not self.socs:
             raise ValueError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
@@ -178,6 +183,12 @@ class ExportConfig:
             raise ValueError("Quantization overrides need a quantized --quant scheme; fp16 has nothing to override")
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
             raise ValueError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
+
+    def shard_starts(self, num_layers: int) -> tuple[int, ...]:
+        """The decoder layers that begin shards 2..N, the layers split as evenly as rounding allows."""
+        if self.shards > num_layers:
+            raise ValueError(f"--shards {self.shards} exceeds the model's {num_layers} decoder layers")
+        return tuple(round(i * num_layers / self.shards) for i in range(1, self.shards))
 
     @property
     def quant_tag(self) -> str:

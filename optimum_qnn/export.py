@@ -183,6 +183,7 @@ def export(
                 weight_sharing=config.weight_sharing and len(methods) > 1,
                 skip_ops=_CPU_OPS,
                 int64_inputs={"tokens"},
+                shard_starts=config.shard_starts(len(static.contract.layers)),
             )
             result.delegation[soc.value] = format_delegation(lowered.delegation)
         with _stage(result, f"write {soc.value}"):

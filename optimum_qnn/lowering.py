@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
@@ -51,6 +52,9 @@ MethodSource: TypeAlias = Union[torch.export.ExportedProgram, tuple[torch.nn.Mod
 # Every HTP context binary records the target it was compiled for, e.g. `soc_type=SM8650;arch=75;...`.
 _TARGET_RE = re.compile(rb"soc_type=(\w+);arch=(\d+)")
 _OP_NAME_RE = re.compile(r"\w+\.\w+\.\w+")
+# The static model's decoder layers are `layers.N` (optimum_qnn.models.gemma4.modules).
+_LAYER_PATTERN = r"layers\.(\d+)"
+SHARD_OP = "llama.fallback.default"
 
 
 def compile_specs(
@@ -60,6 +64,7 @@ def compile_specs(
     multiple_graphs: bool = False,
     weight_sharing: bool | None = None,
     shared_buffer: bool = False,
+    multiple_contexts: bool = False,
     debug: bool = False,
 ) -> list[CompileSpec]:
     """ExecuTorch compile specs that target the HTP of `soc`.
@@ -72,6 +77,8 @@ def compile_specs(
             The x86 emulator cannot load such a context: pass False for artifacts that run on x86.
         shared_buffer: graph IO lives in buffers the runner registers with the HTP (RPC memory on a phone);
             the x86 emulator does not support it.
+        multiple_contexts: the methods are split into several QNN partitions (shards), each its own context; the
+            runtime then reserves one spill-fill buffer for all of them.
         debug: verbose QNN logging during compilation.
 
     Returns:
@@ -91,7 +98,9 @@ def compile_specs(
     chipset = QcomChipset.__members__.get(soc.name)
     if chipset is None:
         raise ValueError(f"SoC {soc.value} is unknown to this executorch; expected one of: {', '.join(QcomChipset.__members__)}")
-    backend_options = generate_htp_compiler_spec(use_fp16=fp16, use_weight_sharing=weight_sharing)
+    backend_options = generate_htp_compiler_spec(
+        use_fp16=fp16, use_weight_sharing=weight_sharing, use_multi_contexts=multiple_contexts
+    )
     return generate_qnn_executorch_compiler_spec(
         soc_model=chipset, backend_options=backend_options, shared_buffer=shared_buffer, debug=debug
     )
@@ -138,6 +147,11 @@ class LoweredProgram:
     weight_sharing: bool
     soc: Soc
 
+    @property
+    def shards(self) -> int:
+        """QNN delegates per method."""
+        return max((d.partitions for d in self.delegation.values()), default=1)
+
     def write(self, path: str | Path) -> Path:
         path = Path(path)
         path.write_bytes(self.buffer)
@@ -154,6 +168,7 @@ def lower_to_pte(
     shared_buffer: bool = False,
     skip_ops: Collection[str] = (),
     int64_inputs: Collection[str] = (),
+    shard_starts: Collection[int] = (),
 ) -> LoweredProgram:
     """Lower one or more methods to QNN and serialize them into one .pte.
 
@@ -173,6 +188,9 @@ def lower_to_pte(
         int64_inputs: graph inputs that must stay int64 for the CPU ops they feed (e.g. `tokens` for the
             quantized embedding kernels, which take only Long indices). By default QNN's lowering casts every
             int64 input to int32 inside its delegate, and the CPU ops downstream would receive int32.
+        shard_starts: decoder layers (index in `layers.N`) that begin a new shard. Each shard is compiled into its
+            own context binary, one after the other, so the compiler holds one shard's weights at a time; the
+            shards hand their activations over through an identity op on the CPU (`llama::fallback`).
 
     Returns:
         The `LoweredProgram` (bytes + delegation summary).
@@ -199,13 +217,23 @@ def lower_to_pte(
 
     # The same spec for every method: QnnBackend.preprocess_multimethod compiles the i-th partition of all
     # methods into one context with the FIRST method's spec, so differing specs would be silently ignored.
-    spec = compile_specs(soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer)
+    spec = compile_specs(
+        soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer,
+        multiple_contexts=bool(shard_starts),
+    )
     logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
     with quiet_native_output() as native_log:
         exported = {name: _export_method(name, source) for name, source in programs.items()}
         edge = _to_edge_and_lower(
-            exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, passes_job=_passes_job(int64_inputs)
+            exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
+            shard_starts=shard_starts,
         )
+        del exported
+        if shard_starts:
+            from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
+
+            for method in programs:
+                update_spill_fill_size(edge.exported_program(method))
         delegation = delegation_summary(edge)
         config = ExecutorchBackendConfig(
             # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
@@ -261,17 +289,34 @@ def _restore(saved: tuple[int, int]) -> None:
     os.dup2(saved[1], 2)
 
 
-def _passes_job(int64_inputs: Collection[str]):
-    """ExecuTorch's default QNN pass list, with `I64toI32` told to leave ``int64_inputs`` alone."""
-    if not int64_inputs:
-        return None
-    from executorch.backends.qualcomm._passes import I64toI32
+def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int]):
+    """ExecuTorch's default QNN pass list and its ordering constraints, with `I64toI32` told to leave
+    ``int64_inputs`` alone and, for shards, ExecuTorch's `SplitGraph` inserting `llama::fallback` before each layer
+    of ``shard_starts`` (after Q/DQ folding, so the op carries the quantization of the tensor it passes on)."""
+    if not int64_inputs and not shard_starts:
+        return None, None
+    from executorch.backends.qualcomm._passes import FoldQDQ, I64toI32, TagQuantIO
     from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.utils.constants import QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY
+    from executorch.backends.qualcomm.utils.constants import (
+        QCOM_PASS_ACTIVATE_KEY,
+        QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY,
+    )
 
-    job = get_qnn_pass_manager_cls().get_capture_program_passes()  # the HTP pass list
+    manager_cls = get_qnn_pass_manager_cls()
+    job = manager_cls.get_capture_program_passes()  # the HTP pass list
     job[I64toI32][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["skip_node"] = frozenset(int64_inputs)
-    return job
+    deps = None
+    if shard_starts:
+        from executorch.extension.llm.custom_ops.model_sharding import SplitGraph
+
+        job[SplitGraph] = {
+            QCOM_PASS_ACTIVATE_KEY: True,
+            QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY: {"shard_layers": sorted(shard_starts), "pattern": _LAYER_PATTERN},
+        }
+        deps = manager_cls.get_passes_dependency_for_capture_program()
+        deps[SplitGraph] = [FoldQDQ]
+        deps[TagQuantIO] = [*deps.get(TagQuantIO, []), SplitGraph]
+    return job, deps
 
 
 def _export_method(name: str, source: MethodSource) -> torch.export.ExportedProgram:
@@ -298,7 +343,8 @@ def _to_edge_and_lower(
     *,
     constant_methods: Mapping[str, Any] | None,
     skip_ops: Collection[str],
-    passes_job,
+    int64_inputs: Collection[str],
+    shard_starts: Collection[int],
 ) -> EdgeProgramManager:
     """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
     export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
@@ -313,6 +359,8 @@ def _to_edge_and_lower(
     from executorch.exir import to_edge_transform_and_lower
 
     backend_type = flatbuffer_to_option(generate_qnn_executorch_option(spec)).backend_options.backend_type
+    passes_job, dep_table = _passes_job(int64_inputs, shard_starts)
+    skip_ops = {*skip_ops, SHARD_OP} if shard_starts else set(skip_ops)
     aten, transform_passes, partitioners = {}, {}, {}
     for name, program in exported.items():
         manager = get_qnn_pass_manager_cls(backend_type)()
@@ -321,14 +369,15 @@ def _to_edge_and_lower(
         transform_passes[name] = manager.get_to_edge_transform_passes(
             program,
             passes_job=passes_job,
+            dep_table=dep_table,
             compiler_specs=spec,
-            skip_node_op_set=set(skip_ops),
+            skip_node_op_set=skip_ops,
             # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
             # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
             convert_linear_to_conv2d=True,
         )
-        partitioners[name] = [QnnPartitioner(spec, skip_node_op_set=set(skip_ops))]
-    with QnnManagerContext({name: spec for name in exported}):
+        partitioners[name] = [QnnPartitioner(spec, skip_node_op_set=skip_ops)]
+    with QnnManagerContext({name: spec for name in exported}), _preprocess_copies_share_weights():
         return to_edge_transform_and_lower(
             aten,
             transform_passes=transform_passes,
@@ -336,6 +385,33 @@ def _to_edge_and_lower(
             constant_methods=dict(constant_methods) if constant_methods else None,
             compile_config=qnn_edge_config(),
         )
+
+
+@contextlib.contextmanager
+def _preprocess_copies_share_weights() -> Iterator[None]:
+    """Let QnnBackend's preprocessing copies of the partitions share their weight tensors with the originals.
+
+    Before compiling, ExecuTorch deep-copies every partition of every method (`BackendDetails.
+    copy_exported_program_for_preprocess`, the hook a backend may override), all at once: a second copy of every HTP
+    weight, and a third where prefill and decode shared theirs (measured +2.4 GB at E2B widths, 7 layers). QNN's
+    preprocessing passes replace entries of the copy's `state_dict`/`constants` (`builders.utils.set_parameter`) and
+    never write into a tensor, so the copy needs its own graph and dicts but not its own tensor data.
+    """
+    from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
+
+    def copy_sharing_weights(cls, program, compile_specs):
+        tensors = [*program.state_dict.values(), *program.constants.values()]
+        return copy.deepcopy(program, {id(t): t for t in tensors if isinstance(t, torch.Tensor)})
+
+    saved = QnnBackend.__dict__.get("copy_exported_program_for_preprocess")
+    QnnBackend.copy_exported_program_for_preprocess = classmethod(copy_sharing_weights)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del QnnBackend.copy_exported_program_for_preprocess
+        else:
+            QnnBackend.copy_exported_program_for_preprocess = saved
 
 
 def delegation_summary(edge: EdgeProgramManager) -> dict[str, MethodDelegation]:

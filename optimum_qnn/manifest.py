@@ -118,6 +118,8 @@ class Contract:
     weight_sharing: bool
     layers: list[Layer]
     methods: list[Method]
+    # QNN delegates per method (context binaries in the .pte); above 1 they hand over through `llama::fallback`.
+    shards: int = 1
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,7 @@ def json_schema() -> dict[str, Any]:
     }
 
 
-def contract_section(contract, *, weight_sharing: bool) -> Contract:
+def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Contract:
     """The manifest's view of a `RunnerContract`."""
     d = contract.to_dict()
     return Contract(
@@ -343,4 +345,5 @@ def contract_section(contract, *, weight_sharing: bool) -> Contract:
             )
             for m in d["methods"]
         ],
+        shards=shards,
     )

@@ -274,6 +274,10 @@ def _load_program(path: Path, manifest: Manifest):
     sdk = ensure_qnn_sdk()
     check_runtime_can_load(manifest.versions.qairt_build_id, sdk.build_id, runtime_source=sdk.source)
     import executorch.kernels.quantized  # noqa: F401  (registers quantized_decomposed::embedding_* kernels)
+
+    if manifest.contract.shards > 1:
+        # The CPU kernel of `llama::fallback`, the identity op between the shards' QNN delegates.
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     from executorch.runtime import Runtime
 
     try:

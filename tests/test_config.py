@@ -36,6 +36,7 @@ def test_defaults_and_mapping():
         (("--embedding-quant", "3,32"), "bits must be one of 0, 4, 8"),
         (("--quant-override", "lm_head"), "expected REGEX=SCHEME"),
         (("--quant", "fp16", "--quant-override", "lm_head=16a8w"), "need a quantized --quant scheme"),
+        (("--shards", "0"), "shards must be at least 1; got 0"),
     ],
 )
 def test_bad_values(argv, message):
@@ -47,3 +48,12 @@ def test_kv_mode_ignores_prefill_length():
     assert parse("--mode", "kv", "--max-seq-len", "64").mode is ExportMode.KV
     with pytest.raises(ValueError, match="At least one SoC"):
         ExportConfig(socs=())
+
+
+def test_shards_split_the_layers_evenly():
+    assert parse().shards == 1 and parse().shard_starts(35) == ()
+    assert parse("--shards", "2").shard_starts(6) == (3,)
+    assert parse("--shards", "7").shard_starts(35) == (5, 10, 15, 20, 25, 30)
+    assert parse("--shards", "3").shard_starts(7) == (2, 5)  # shards of 2, 3 and 2 layers
+    with pytest.raises(ValueError, match="--shards 8 exceeds the model's 7 decoder layers"):
+        parse("--shards", "8").shard_starts(7)

@@ -1,7 +1,7 @@
 """End-to-end exports of Gemma4 to QNN, run on the x86 HTP emulator against Hugging Face.
 
 One fp16 hybrid export of the demo model is shared by the accuracy, method-agreement and delegation checks; a
-16a8w export through the CLI checks the quantized path and the command line together.
+16a8w export in two shards through the CLI checks the quantized path, sharding and the command line together.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_every_decoder_op_runs_on_the_htp(fp16_export):
 
 
 def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_python):
-    """16a8w hybrid through the command line. Both methods are checked against fp32 on their own (the prefill
+    """16a8w hybrid in two shards through the command line. Both methods are checked against fp32 on their own (the prefill
     method once computed the logit softcap wrongly on rows 2.. after lowering, see ops/softcap.py) and together."""
     out = tmp_path / "out"
     calib = tmp_path / "calib.txt"
@@ -116,12 +116,16 @@ def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_pyth
     proc = run_python(
         "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
         "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
-        "--embedding-quant", "8,0",
+        "--embedding-quant", "8,0", "--shards", "2",
         "--calib-file", str(calib), "--calib-limit", "8", "--evaluate", str(held_out), "--evaluate-tokens", "189",
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
+    # --shards 2: two QNN contexts per method, handing over through one CPU-side identity op.
+    delegation = proc.stdout.split("Delegation (SM8650)")[1]
+    for method in ("prefill_forward", "kv_forward"):
+        assert re.search(rf"^{method} +2 +\d+ +3 +llama\.fallback\.default x1, ", delegation, re.M), delegation
     stages = proc.stdout.split("Stages:\n")[1]
     for name in ("load", "swap", "export", "calibrate", "quantize", "evaluate", "lower SM8650", "write SM8650"):
         assert re.search(rf"^{name} +\d+\.\d +\d+$", stages, re.M), (name, stages)
@@ -133,6 +137,7 @@ def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_pyth
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     model = QNNModelForCausalLM.from_pretrained(out)
+    assert model.manifest.contract.shards == 2
     static = StaticCausalLM.from_hf(load_text_model(demo_model_dir)[0], max_context_len=64)
     ids = torch.tensor([2] + list(range(40, 72)))  # 33 tokens: two prefill calls, then one decode call
     ref = static.session().feed(ids)
