@@ -154,6 +154,7 @@ def export(
         if evaluate is None:
             del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
     methods = [m.name for m in static.contract.methods]
+    shard_starts = config.shard_starts(len(static.contract.layers))  # a bad --shards fails here, before calibration
     with _stage(result, "export"):
         programs = {name: static.export(name) for name in methods}
     if config.quant.is_quantized:
@@ -183,7 +184,7 @@ def export(
                 weight_sharing=config.weight_sharing and len(methods) > 1,
                 skip_ops=_CPU_OPS,
                 int64_inputs={"tokens"},
-                shard_starts=config.shard_starts(len(static.contract.layers)),
+                shard_starts=shard_starts,
             )
             result.delegation[soc.value] = format_delegation(lowered.delegation)
         with _stage(result, f"write {soc.value}"):

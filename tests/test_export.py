@@ -201,6 +201,21 @@ def test_optimum_cli_help():
     assert "--soc" in proc.stdout and "SM8750" in proc.stdout and "--calib-file" in proc.stdout
 
 
+def test_too_many_shards_fail_before_calibration(random_model_dir, tmp_path, monkeypatch):
+    """A --shards larger than the model's layer count is refused right after the swap, not after calibration."""
+    from optimum_qnn import export as export_module
+
+    def calibration_ran(*args, **kwargs):
+        raise AssertionError("calibration ran before --shards was checked")
+
+    monkeypatch.setattr(export_module, "_quantize", calibration_ran)
+    config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.parse("16a8w"), mode=ExportMode.KV, shapes=ShapeConfig(32, 4),
+                          embedding_quant=EmbeddingQuant(8, 0), shards=99)
+    with pytest.raises(ValueError, match="--shards 99 exceeds the model's"):
+        export_module.export(random_model_dir, tmp_path / "out", config)
+    assert not any((tmp_path / "out").rglob("model.pte"))
+
+
 def test_stage_peak_rss_is_the_stage_s_own():
     """Each stage reports the highest RSS while it ran, not the process's peak so far (which only grows)."""
     from optimum_qnn.export import ExportResult, _rss_mb, _stage
