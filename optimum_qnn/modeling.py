@@ -7,7 +7,9 @@ exporter, the quantizer or `torch.export`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -90,10 +92,15 @@ class QNNModelForCausalLM:
         self.manifest = manifest
         self.contract: RunnerContract = manifest.runner_contract()
         self.stats = GenerationStats()
-        self._program = _load_program(resolve_inside(variant, manifest.program.path, allowed_root=allowed_root), manifest)
-        self._methods = {m.name: self._program.load_method(m.name) for m in self.contract.methods}
-        self._session = KVSession(self.contract, {name: self._timed(m) for name, m in self._methods.items()})
-        self._exec_time = 0.0
+        pte = resolve_inside(variant, manifest.program.path, allowed_root=allowed_root)
+        self._program = _LoadedProgram.get(pte, manifest)
+        self._clock = _ExecClock()
+        timed = {m.name: _TimedMethod(self._program, m.name, self._clock) for m in self.contract.methods}
+        self._session = KVSession(self.contract, timed)
+
+    @property
+    def _exec_time(self) -> float:
+        return self._clock.total
 
     @classmethod
     def from_pretrained(
@@ -133,17 +140,6 @@ class QNNModelForCausalLM:
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
         return cls(root, variant, manifest, allowed_root=blobs)
-
-    def _timed(self, method):
-        def run(inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-            # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
-            args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
-            t0 = time.perf_counter()
-            out = method.execute(args)
-            self._exec_time += time.perf_counter() - t0
-            return out
-
-        return run
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -186,7 +182,7 @@ class QNNModelForCausalLM:
         session = self._session
         session.reset()
         stats = GenerationStats(prompt_tokens=prompt.numel())
-        self._exec_time = 0.0
+        self._clock.total = 0.0
         t0 = time.perf_counter()
         logits = session.feed(prompt)[-1]
         t_first = time.perf_counter()
@@ -252,6 +248,70 @@ def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_
         scores[order[drop]] = float("-inf")
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class _LoadedProgram:
+    """One loaded .pte and its methods, shared by every `QNNModelForCausalLM` of the same file content.
+
+    ExecuTorch's QNN backend caches the delegate handle of each context binary by the signature stamped into it at
+    compile time (`QnnExecuTorchBackend::init`, "Use cached delegate handle for current method"): a second load of
+    the same .pte gets the first load's handle, and destroying either program destroys the QNN context both use
+    (the next call fails with "DelegateHandle has been deleted" and the process crashes). So a .pte is loaded once per
+    process and its program lives as long as any model uses it: models hold it strongly, the table below weakly,
+    and Python's reference counting frees it with its last model. Copies of one file (same sha256) carry the same
+    signatures and share an entry too. Methods run under a lock: the QNN graphs' IO tensors are per context.
+    """
+
+    _live: "weakref.WeakValueDictionary[str, _LoadedProgram]" = weakref.WeakValueDictionary()
+    _live_lock = threading.Lock()
+
+    def __init__(self, program: Any, method_names: Sequence[str]):
+        self.program = program  # the methods reference their program's memory: keep it alive with them
+        self.methods = {name: program.load_method(name) for name in method_names}
+        self.lock = threading.Lock()
+
+    @classmethod
+    def get(cls, path: Path, manifest: Manifest) -> "_LoadedProgram":
+        """The live program of ``path``'s content, or a fresh load of it."""
+        key = manifest.program.sha256
+        with cls._live_lock:
+            loaded = cls._live.get(key)
+            if loaded is None:
+                names = [m.name for m in manifest.runner_contract().methods]
+                loaded = cls(_load_program(path, manifest), names)
+                cls._live[key] = loaded
+            return loaded
+
+    @classmethod
+    def live_count(cls) -> int:
+        """Programs loaded in this process and still used by a model."""
+        return len(cls._live)
+
+
+class _ExecClock:
+    """Seconds spent inside method calls, owned by one model (not by the shared program)."""
+
+    total: float = 0.0
+
+
+class _TimedMethod:
+    """Calls one method of a shared program, timing it on a model's clock.
+
+    It refers to the program and the clock, never to the model, so a model is freed as soon as its last reference
+    goes (no reference cycle left for the garbage collector).
+    """
+
+    def __init__(self, loaded: _LoadedProgram, name: str, clock: _ExecClock):
+        self.loaded, self.method, self.clock = loaded, loaded.methods[name], clock
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
+        args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+        with self.loaded.lock:
+            t0 = time.perf_counter()
+            out = self.method.execute(args)
+            self.clock.total += time.perf_counter() - t0
+        return out
 
 
 def host_can_run(weight_sharing: bool) -> bool:
