@@ -183,7 +183,7 @@ def lower_to_pte(
             (an int, float, bool or tensor).
         weight_sharing: share weights between the methods' graphs. Defaults to True when there are several
             methods (what a phone wants); pass False for artifacts that run on the x86 emulator.
-        shared_buffer: see `compile_specs`; also leaves graph IO unplanned, since the runner provides it.
+        shared_buffer: see `compile_specs`.
         skip_ops: edge op names kept on the CPU even where QNN supports them, e.g. `{"aten.embedding.default"}`.
         int64_inputs: graph inputs that must stay int64 for the CPU ops they feed (e.g. `tokens` for the
             quantized embedding kernels, which take only Long indices). By default QNN's lowering casts every
@@ -238,7 +238,10 @@ def lower_to_pte(
         config = ExecutorchBackendConfig(
             # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
             passes=[BuildQuantIo()],
-            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=not shared_buffer, alloc_graph_output=not shared_buffer),
+            # Graph inputs and outputs are not memory-planned: ExecuTorch's C++ LLM runner (qnn_llama_runner) hands each
+            # method its own IO buffers (`set_outputs`), which a planned output refuses ("Output 0 is memory planned,
+            # or is a constant. Cannot override the existing data pointer."); the Python runtime allocates them.
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
         )
         buffer = edge.to_executorch(config).buffer
     logger.debug("QNN compiler output:\n%s", native_log.text)
