@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import e2b_width  # noqa: E402
+import io_bytes  # noqa: E402
 import peer  # noqa: E402
 import tiny_gemma4  # noqa: E402
 
@@ -265,6 +266,14 @@ OUR_PEER_RUN = (f"QNN fp16, decode only (`--quant fp16 --mode kv --embedding-qua
                 ["--quant", "fp16", "--mode", "kv", "--embedding-quant", "none", "--max-seq-len", str(CONTEXT)])
 
 
+IO_SECTION = (
+    "\n## Graph IO per call at Gemma-4-E2B widths\n\n"
+    "What crosses the graph boundary per call (benchmarks/io_bytes.py; sizes from the runner contract of E2B's "
+    "published text config, prefill 128, so exact rather than sampled): quantized exports pass the masks, KV caches "
+    "and logits as uint16 (the default), `--float-io` as float32.\n\n"
+)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="*", default=SCHEMES)
@@ -381,6 +390,7 @@ def main() -> int:
         f"prompt, {args.steps} decode steps, median of {args.runs} runs. Emulator speed says nothing about a phone's "
         "speed.\n\n"
         + (scheme_table(rows, args.steps) if rows else "(no scheme run)") + "\n"
+        + IO_SECTION + io_bytes.table() + "\n"
     )
     (HERE / "RESULTS.md").write_text(text)
     print(text)

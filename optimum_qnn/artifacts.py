@@ -206,7 +206,7 @@ class VariantWriter:
                     scheme=config.quant.value,
                     block_size=config.block_size if config.quant.value == "16a4w_block" else None,
                     embedding=str(config.embedding_quant),
-                    kv_io_bits=32,
+                    kv_io_bits=contract.kv_io_bits,
                     recipe=[QuantRecipeRow(r.module, r.op, r.activation, r.weight, r.count) for r in quant_rows or []],
                 ),
                 contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards),

@@ -60,6 +60,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
     opt.add_argument("--no-weight-sharing", action="store_true",
                      help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
+    opt.add_argument("--float-io", action="store_true",
+                     help="quantized schemes: keep the masks, KV caches and logits float32 at the graph boundary "
+                          "(default: uint16, as ExecuTorch's Qualcomm runner expects)")
     opt.add_argument("--shards", type=int, default=_DEFAULTS.shards, metavar="N",
                      help="split the decoder layers into N QNN contexts compiled one at a time: lower peak memory when "
                           "lowering big models (default: %(default)s)")
@@ -94,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len),
         embedding_quant=EmbeddingQuant.parse(args.embedding_quant),
         weight_sharing=not args.no_weight_sharing,
+        float_io=args.float_io,
         overrides=tuple(_parse_override(text) for text in args.quant_override),
         shards=args.shards,
     )

@@ -164,6 +164,9 @@ class ExportConfig:
     # Split the decoder layers into this many QNN contexts, compiled one after the other: the compiler then holds
     # one shard's weights at a time (lower peak memory for big models); a phone loads them as separate contexts.
     shards: int = 1
+    # Quantized schemes: masks, caches and logits cross the graph boundary as uint16 (ExecuTorch's Qualcomm flow
+    # does the same); True keeps them float32, quantized inside the graph on every call. Ignored for fp16.
+    float_io: bool = False
 
     def __post_init__(self) -> None:
         if self.shards < 1:

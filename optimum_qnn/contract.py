@@ -7,7 +7,7 @@ runner manifest. See docs/runner_contract.md for the prose version.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from optimum_qnn.ops.mask import MASK_MIN
@@ -26,11 +26,29 @@ class AttentionKind(enum.Enum):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output of a method: name, static shape and dtype name (``float32``, ``int64``, ``int32``)."""
+    """One input or output of a method: name, static shape and dtype name (``float32``, ``int64``, ``int32``,
+    ``uint16``). A quantized tensor (integer graph IO) carries its encoding: ``real = (q - zero_point) * scale``."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    scale: float | None = None
+    zero_point: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+    def quantize(self, x: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        info = torch.iinfo(getattr(torch, self.dtype))
+        return torch.round(x / self.scale + self.zero_point).clamp_(info.min, info.max).to(getattr(torch, self.dtype))
+
+    def dequantize(self, q: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        return (q.to(torch.float32) - self.zero_point) * self.scale
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,37 @@ class RunnerContract:
     def cache_layers(self) -> tuple[LayerSpec, ...]:
         return tuple(layer for layer in self.layers if layer.owns_cache)
 
+    @property
+    def kv_io_bits(self) -> int:
+        """Bits of the caches at the graph boundary: 32 for float IO (ExecuTorch's `get_kv_io_bit_width` sentinel)."""
+        caches = [t for t in self.methods[0].inputs if t.name.startswith("k_cache_")]
+        if not caches or not caches[0].quantized:
+            return 32
+        import torch
+
+        return torch.iinfo(getattr(torch, caches[0].dtype)).bits
+
+    def with_quantized_io(self, encodings: dict[str, tuple[float, int, str]]) -> "RunnerContract":
+        """This contract with integer IO: every tensor named in ``encodings`` (name -> scale, zero point, dtype)
+        becomes that dtype in every method, and the mask values become the masks' quantized 0 and `MASK_MIN`."""
+        def spec(t: TensorSpec) -> TensorSpec:
+            if t.name not in encodings:
+                return t
+            scale, zero_point, dtype = encodings[t.name]
+            return TensorSpec(t.name, t.shape, dtype, float(scale), int(zero_point))
+
+        methods = tuple(
+            MethodSpec(m.name, m.ar_len, tuple(map(spec, m.inputs)), tuple(map(spec, m.outputs))) for m in self.methods
+        )
+        contract = replace(self, methods=methods)
+        mask = contract.methods[0].inputs[1]
+        if mask.quantized:
+            import torch
+
+            values = mask.quantize(torch.tensor([self.mask_attend, self.mask_masked])).tolist()
+            contract = replace(contract, mask_attend=float(values[0]), mask_masked=float(values[1]))
+        return contract
+
     def method(self, name: str) -> MethodSpec:
         for m in self.methods:
             if m.name == name:
@@ -157,8 +206,8 @@ class RunnerContract:
             MethodSpec(
                 m["name"],
                 m["ar_len"],
-                tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in m["inputs"]),
-                tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in m["outputs"]),
+                tuple(_tensor_spec(t) for t in m["inputs"]),
+                tuple(_tensor_spec(t) for t in m["outputs"]),
             )
             for m in d["methods"]
         )
@@ -166,6 +215,10 @@ class RunnerContract:
             d["context_len"], d["vocab_size"], d["sliding_window"], layers, methods,
             d.get("mask_attend", 0.0), d.get("mask_masked", MASK_MIN), dict(d.get("extra", {})),
         )
+
+
+def _tensor_spec(t: dict[str, Any]) -> TensorSpec:
+    return TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t.get("scale"), t.get("zero_point"))
 
 
 def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int) -> MethodSpec:

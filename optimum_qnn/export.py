@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from optimum_qnn.artifacts import VariantWriter, check_output_folder, variant_name
 from optimum_qnn.calibration import CalibrationSource, token_sequences
 from optimum_qnn.config import ExportConfig, ExportMode
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
 from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
@@ -157,8 +157,11 @@ def export(
     shard_starts = config.shard_starts(len(static.contract.layers))  # a bad --shards fails here, before calibration
     with _stage(result, "export"):
         programs = {name: static.export(name) for name in methods}
+    contract, quantized_io = static.contract, None
     if config.quant.is_quantized:
         graphs = _quantize(static, programs, config, tokenizer, calibration or CalibrationSource(), result)
+        if not config.float_io:
+            contract, quantized_io = _integer_io(static.contract, graphs)
         sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
         del programs
         if evaluate is None:
@@ -180,20 +183,35 @@ def export(
                 sources,
                 soc,
                 fp16=not config.quant.is_quantized,
-                constant_methods=runner_metadata(static, config),
+                constant_methods=runner_metadata(static, config, contract),
                 weight_sharing=config.weight_sharing and len(methods) > 1,
                 skip_ops=_CPU_OPS,
                 int64_inputs={"tokens"},
                 shard_starts=shard_starts,
+                quantized_io=quantized_io,
             )
             result.delegation[soc.value] = format_delegation(lowered.delegation)
         with _stage(result, f"write {soc.value}"):
             path = writer.write_variant(
-                variant_name(soc, config), lowered, static.contract, config, quant_rows=result.quant_rows,
+                variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
                 evaluate=evaluator,
             )
             result.variants.append(path)
     return result
+
+
+def _integer_io(contract, graphs) -> tuple[RunnerContract, dict[str, frozenset[int]]]:
+    """The contract of a quantized export with uint16 masks, caches and logits, and the inputs to keep integer
+    per method. Prefill and decode were quantized with shared observers, so their IO encodings must agree."""
+    from optimum_qnn.quant_io import io_encodings, quantized_inputs
+
+    encodings = {name: io_encodings(graph, contract.method(name)) for name, graph in graphs.items()}
+    first, *others = encodings.values()
+    for name, other in zip(list(encodings)[1:], others):
+        if other != first:
+            diff = sorted(k for k in first if other.get(k) != first[k])
+            raise RuntimeError(f"{name}'s IO encodings differ from {next(iter(encodings))}'s for {diff}; export with --float-io")
+    return contract.with_quantized_io(first), {name: quantized_inputs(contract.method(name)) for name in graphs}
 
 
 def _check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
@@ -337,17 +355,28 @@ def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer,
                 usable = (ids.numel() // spec.ar_len) * spec.ar_len or ids.numel()
                 session.feed_method(spec.name, ids[:usable])
 
+    tie = None
+    if not config.float_io:  # integer IO: new K/V must come out in their cache's encoding
+        from optimum_qnn.quant_io import tie_cache_observers
+
+        def tie(name: str, prepared) -> None:
+            logger.debug("%s: %d new K/V outputs tied to their cache's observer", name, tie_cache_observers(prepared, contract.method(name)))
+
     graphs = quantize_shared(
-        programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=lambda name: _stage(result, name)
+        programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=lambda name: _stage(result, name), tie=tie
     )
     result.quant_rows = quant_summary(graphs[calibrate_on])
     return graphs
 
 
-def runner_metadata(static: StaticCausalLM, config: ExportConfig) -> dict[str, int | float | bool]:
-    """Constant methods matching ExecuTorch's Qualcomm LLM runner, so its runners find what they read."""
+def runner_metadata(
+    static: StaticCausalLM, config: ExportConfig, contract: RunnerContract | None = None
+) -> dict[str, int | float | bool]:
+    """Constant methods matching ExecuTorch's Qualcomm LLM runner, so its runners find what they read.
+
+    ``contract``: the deployed contract (integer IO of a quantized export); the static model's by default."""
     cfg = static.text_config
-    contract = static.contract
+    contract = contract or static.contract
     layers = contract.layers
     sliding = [l for l in layers if l.attention.value == "sliding_attention"]
     full = [l for l in layers if l.attention.value == "full_attention"]
@@ -371,7 +400,10 @@ def runner_metadata(static: StaticCausalLM, config: ExportConfig) -> dict[str, i
         "get_use_kv_cache": True,
         "get_sliding_window": contract.sliding_window or 0,
         "get_num_kv_shared_layers": cfg.num_kv_shared_layers,
-        # IO stays float at the graph boundary (the HTP delegate quantizes inside).
-        "get_kv_io_bit_width": 32,
     }
+    meta["get_kv_io_bit_width"] = contract.kv_io_bits
+    logits = contract.methods[0].outputs[0]
+    if logits.quantized:  # what ExecuTorch's host scripts read to dequantize uint16 logits
+        meta["get_logits_scale"] = logits.scale
+        meta["get_logits_zero_point"] = logits.zero_point
     return meta

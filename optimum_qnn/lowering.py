@@ -169,6 +169,7 @@ def lower_to_pte(
     skip_ops: Collection[str] = (),
     int64_inputs: Collection[str] = (),
     shard_starts: Collection[int] = (),
+    quantized_io: Mapping[str, Collection[int]] | None = None,
 ) -> LoweredProgram:
     """Lower one or more methods to QNN and serialize them into one .pte.
 
@@ -191,6 +192,8 @@ def lower_to_pte(
         shard_starts: decoder layers (index in `layers.N`) that begin a new shard. Each shard is compiled into its
             own context binary, one after the other, so the compiler holds one shard's weights at a time; the
             shards hand their activations over through an identity op on the CPU (`llama::fallback`).
+        quantized_io: method name -> positions of the inputs that become integer graph IO (with the encoding the
+            quantizer gave them); every output of those methods does too. See `optimum_qnn.quant_io`.
 
     Returns:
         The `LoweredProgram` (bytes + delegation summary).
@@ -226,7 +229,7 @@ def lower_to_pte(
         exported = {name: _export_method(name, source) for name, source in programs.items()}
         edge = _to_edge_and_lower(
             exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
-            shard_starts=shard_starts,
+            shard_starts=shard_starts, quantized_io=quantized_io or {},
         )
         del exported
         if shard_starts:
@@ -292,11 +295,12 @@ def _restore(saved: tuple[int, int]) -> None:
     os.dup2(saved[1], 2)
 
 
-def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int]):
+def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int], quant_io_dtype=None):
     """ExecuTorch's default QNN pass list and its ordering constraints, with `I64toI32` told to leave
     ``int64_inputs`` alone and, for shards, ExecuTorch's `SplitGraph` inserting `llama::fallback` before each layer
-    of ``shard_starts`` (after Q/DQ folding, so the op carries the quantization of the tensor it passes on)."""
-    if not int64_inputs and not shard_starts:
+    of ``shard_starts`` (after Q/DQ folding, so the op carries the quantization of the tensor it passes on).
+    ``quant_io_dtype(node)`` turns on `TagQuantIO`: the IO nodes it names a dtype for stay integer."""
+    if not int64_inputs and not shard_starts and quant_io_dtype is None:
         return None, None
     from executorch.backends.qualcomm._passes import FoldQDQ, I64toI32, TagQuantIO
     from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
@@ -308,6 +312,9 @@ def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int]):
     manager_cls = get_qnn_pass_manager_cls()
     job = manager_cls.get_capture_program_passes()  # the HTP pass list
     job[I64toI32][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["skip_node"] = frozenset(int64_inputs)
+    if quant_io_dtype is not None:
+        job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
+        job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = quant_io_dtype
     deps = None
     if shard_starts:
         from executorch.extension.llm.custom_ops.model_sharding import SplitGraph
@@ -348,6 +355,7 @@ def _to_edge_and_lower(
     skip_ops: Collection[str],
     int64_inputs: Collection[str],
     shard_starts: Collection[int],
+    quantized_io: Mapping[str, Collection[int]],
 ) -> EdgeProgramManager:
     """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
     export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
@@ -362,10 +370,14 @@ def _to_edge_and_lower(
     from executorch.exir import to_edge_transform_and_lower
 
     backend_type = flatbuffer_to_option(generate_qnn_executorch_option(spec)).backend_options.backend_type
-    passes_job, dep_table = _passes_job(int64_inputs, shard_starts)
     skip_ops = {*skip_ops, SHARD_OP} if shard_starts else set(skip_ops)
-    aten, transform_passes, partitioners = {}, {}, {}
+    aten, transform_passes, partitioners, taggers = {}, {}, {}, {}
     for name, program in exported.items():
+        tagger = None
+        if name in quantized_io:
+            user_inputs = program.graph_signature.user_inputs
+            tagger = taggers[name] = _QuantIoTagger({user_inputs[i] for i in quantized_io[name]})
+        passes_job, dep_table = _passes_job(int64_inputs, shard_starts, tagger)
         manager = get_qnn_pass_manager_cls(backend_type)()
         # Before edge conversion: these passes add constants that lift_constant_tensor_pass must lift.
         aten[name] = manager.transform_for_export_pipeline(program)
@@ -381,13 +393,52 @@ def _to_edge_and_lower(
         )
         partitioners[name] = [QnnPartitioner(spec, skip_node_op_set=skip_ops)]
     with QnnManagerContext({name: spec for name in exported}), _preprocess_copies_share_weights():
-        return to_edge_transform_and_lower(
+        edge = to_edge_transform_and_lower(
             aten,
             transform_passes=transform_passes,
             partitioner=partitioners,
             constant_methods=dict(constant_methods) if constant_methods else None,
             compile_config=qnn_edge_config(),
         )
+    for name, tagger in taggers.items():
+        tagger.check(name)
+    return edge
+
+
+class _QuantIoTagger:
+    """`TagQuantIO`'s ``get_quant_io_dtype_fn``: the named input placeholders and every graph output keep the
+    integer dtype of the encoding Q/DQ folding left on them (so no Q/DQ is inserted at the delegate's boundary)."""
+
+    def __init__(self, input_names: Collection[str]):
+        self.input_names = frozenset(input_names)
+        self.inputs: set[str] = set()
+        self.outputs: dict[str, int] = {}  # tagged output node -> number of graph outputs
+
+    def __call__(self, node: torch.fx.Node):
+        from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS, QCOM_QUANT_MAX, QCOM_QUANT_MIN
+
+        from optimum_qnn.quant_io import io_dtype
+
+        attrs = node.meta.get(QCOM_QUANT_ATTRS)
+        if attrs is None:
+            return None
+        if node.op == "placeholder" and node.name in self.input_names:
+            self.inputs.add(node.name)
+        elif outputs := [user for user in node.users if user.op == "output"]:
+            self.outputs[node.name] = len(outputs[0].args[0])
+        else:
+            return None
+        return io_dtype(attrs[QCOM_QUANT_MIN], attrs[QCOM_QUANT_MAX])
+
+    def check(self, method: str) -> None:
+        """Every requested input and every graph output was tagged (an untagged one would silently stay float)."""
+        missing = sorted(self.input_names - self.inputs)
+        n_outputs = next(iter(self.outputs.values()), 0)
+        if missing or len(self.outputs) != n_outputs or not n_outputs:
+            raise RuntimeError(
+                f"{method}: integer IO was not applied to inputs {missing} / {n_outputs - len(self.outputs)} outputs "
+                "(no quantization encoding on them after Q/DQ folding); export with --float-io"
+            )
 
 
 @contextlib.contextmanager

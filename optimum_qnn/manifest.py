@@ -84,6 +84,9 @@ class TensorIO:
     name: str
     shape: list[int]
     dtype: str
+    # Integer IO of quantized exports: real = (q - zero_point) * scale.
+    scale: float | None = None
+    zero_point: int | None = None
 
 
 @dataclass(frozen=True)
@@ -340,8 +343,8 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Cont
         methods=[
             Method(
                 m["name"], m["ar_len"],
-                [TensorIO(t["name"], list(t["shape"]), t["dtype"]) for t in m["inputs"]],
-                [TensorIO(t["name"], list(t["shape"]), t["dtype"]) for t in m["outputs"]],
+                [TensorIO(t["name"], list(t["shape"]), t["dtype"], t["scale"], t["zero_point"]) for t in m["inputs"]],
+                [TensorIO(t["name"], list(t["shape"]), t["dtype"], t["scale"], t["zero_point"]) for t in m["outputs"]],
             )
             for m in d["methods"]
         ],

@@ -428,6 +428,7 @@ def quantize_shared(
     *,
     calibrate_on: str,
     stage: Callable[[str], ContextManager] = contextlib.nullcontext,
+    tie: Callable[[str, torch.fx.GraphModule], None] | None = None,
 ) -> dict[str, torch.fx.GraphModule]:
     """Quantize several graphs of one module (hybrid prefill + decode) with identical quantization parameters.
 
@@ -448,6 +449,8 @@ def quantize_shared(
         calibrate_on: the key of the graph to calibrate.
         stage: ``stage(name)`` is entered around "calibrate" (prepare, observe, share the observers) and
             "quantize" (convert to Q/DQ), e.g. to time them.
+        tie: ``tie(name, prepared)`` may rewire a prepared graph's observers before calibration (the same way in
+            every graph, so their observers still pair up), e.g. `quant_io.tie_cache_observers`.
 
     Returns:
         Method name -> converted graph module, in the order of `programs`.
@@ -459,6 +462,9 @@ def quantize_shared(
         raise ValueError(f"Unknown graph {calibrate_on!r} to calibrate on; expected one of: {', '.join(programs)}")
     with stage("calibrate"):
         prepared = {name: prepare(program, quantizer) for name, program in programs.items()}
+        if tie is not None:
+            for name, graph in prepared.items():
+                tie(name, graph)
         with torch.no_grad():
             calibrate(prepared[calibrate_on])
         _check_calibrated(prepared[calibrate_on], f"quantize_shared({calibrate_on!r})")

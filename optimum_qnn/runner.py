@@ -38,8 +38,12 @@ class KVSession:
         self.prefill_spec = contract.method(PREFILL_METHOD) if PREFILL_METHOD in methods else None
         dec_inputs = {t.name: t for t in self.decode_spec.inputs}
         self.cache_layers = contract.cache_layers
-        self.k_bufs = [torch.zeros(dec_inputs[f"k_cache_{l.index}"].shape) for l in self.cache_layers]
-        self.v_bufs = [torch.zeros(dec_inputs[f"v_cache_{l.index}"].shape) for l in self.cache_layers]
+        # Quantized exports take integer caches whose new K/V outputs carry the cache's own encoding: the host
+        # copies them unchanged and never dequantizes a cache.
+        self.k_bufs = [_zeros(dec_inputs[f"k_cache_{l.index}"]) for l in self.cache_layers]
+        self.v_bufs = [_zeros(dec_inputs[f"v_cache_{l.index}"]) for l in self.cache_layers]
+        self.logits_spec = self.decode_spec.outputs[0]
+        self.mask_spec = self.decode_spec.inputs[1]
         self.n_past = 0
         self._method_inputs: dict[str, _MethodInputs] = {}
 
@@ -55,7 +59,10 @@ class KVSession:
     def _inputs_of(self, spec) -> "_MethodInputs":
         buffers = self._method_inputs.get(spec.name)
         if buffers is None:
-            buffers = self._method_inputs[spec.name] = _MethodInputs(spec.ar_len, self.contract.context_len, self.contract.sliding_window)
+            c = self.contract
+            buffers = self._method_inputs[spec.name] = _MethodInputs(
+                spec.ar_len, c.context_len, c.sliding_window, _dtype(self.mask_spec), c.mask_attend, c.mask_masked
+            )
         return buffers
 
     def _call(self, spec, chunk: torch.Tensor) -> torch.Tensor:
@@ -79,7 +86,8 @@ class KVSession:
             self.k_bufs[i][..., lo : lo + keep] = outputs[1 + i][..., :keep]
             self.v_bufs[i][:, :, lo : lo + keep, :] = outputs[1 + n + i][:, :, :keep, :]
         self.n_past = hi
-        return outputs[0][0, :n_valid]
+        logits = outputs[0][0, :n_valid]
+        return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
 
     def _check(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1)
@@ -120,15 +128,27 @@ class KVSession:
         return torch.cat(logits, dim=0)
 
 
-class _MethodInputs:
-    """The preallocated non-cache inputs of one method: tokens, both masks and positions, updated in place."""
+def _dtype(spec) -> torch.dtype:
+    return getattr(torch, spec.dtype)
 
-    def __init__(self, ar_len: int, context_len: int, window: int | None):
+
+def _zeros(spec) -> torch.Tensor:
+    return torch.zeros(spec.shape, dtype=_dtype(spec))
+
+
+class _MethodInputs:
+    """The preallocated non-cache inputs of one method: tokens, both masks and positions, updated in place.
+
+    Masks hold ``attend`` / ``masked`` (float 0 / `MASK_MIN`, or their quantized values for integer IO)."""
+
+    def __init__(self, ar_len: int, context_len: int, window: int | None, mask_dtype: torch.dtype = torch.float32,
+                 attend: float = 0.0, masked: float = MASK_MIN):
         self.ar_len, self.context_len, self.window = ar_len, context_len, window
+        self.attend, self.masked = attend, masked
         self.tokens = torch.zeros(1, ar_len, dtype=torch.int64)
         self.pos = torch.zeros(1, ar_len, dtype=torch.int32)
-        self.mask = torch.empty(1, 1, ar_len, context_len)
-        self.sliding_mask = torch.empty(1, 1, ar_len, context_len)
+        self.mask = torch.empty(1, 1, ar_len, context_len, dtype=mask_dtype)
+        self.sliding_mask = torch.empty(1, 1, ar_len, context_len, dtype=mask_dtype)
         self._state: tuple[int, int] | None = None  # (n_past, n_valid) the masks describe
 
     def update(self, chunk: torch.Tensor, n_past: int) -> None:
@@ -140,19 +160,25 @@ class _MethodInputs:
             self._step(n_past)
         elif self._state != (n_past, n_valid):
             ar, ctx = self.ar_len, self.context_len
-            self.mask.copy_(attention_mask(ar, ctx, n_past, n_valid=n_valid))
-            self.sliding_mask.copy_(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid))
+            self.mask.copy_(self._values(attention_mask(ar, ctx, n_past, n_valid=n_valid)))
+            self.sliding_mask.copy_(self._values(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid)))
         self._state = (n_past, n_valid)
+
+    def _values(self, mask: torch.Tensor) -> torch.Tensor:
+        """``attention_mask``'s 0 / `MASK_MIN` as this input's values."""
+        if self.attend == 0.0 and self.masked == MASK_MIN:
+            return mask
+        return torch.where(mask == 0, self.attend, self.masked)
 
     def _step(self, n_past: int) -> None:
         """Decode masks of ``n_past - 1`` -> ``n_past``: slot ``n_past - 1`` now holds the previous token."""
         opened = n_past - 1
-        self.mask[..., opened] = 0.0
+        self.mask[..., opened] = self.attend
         if self.window is None:
-            self.sliding_mask[..., opened] = 0.0
+            self.sliding_mask[..., opened] = self.attend
             return
         if self.window > 1:
-            self.sliding_mask[..., opened] = 0.0
+            self.sliding_mask[..., opened] = self.attend
         closed = n_past - self.window  # the token at n_past no longer sees slot n_past - window
         if closed >= 0:
-            self.sliding_mask[..., closed] = MASK_MIN
+            self.sliding_mask[..., closed] = self.masked

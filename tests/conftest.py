@@ -118,3 +118,27 @@ def demo_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
                           shapes=ShapeConfig(KV_CTX, 4), embedding_quant=EmbeddingQuant(0, 0))
     export(demo_model_dir, out, config)
     return out
+
+
+@pytest.fixture(scope="session")
+def cli_16a8w_export(demo_model_dir, tmp_path_factory, run_python):
+    """The demo Gemma4 exported through the command line: 16a8w hybrid in two shards, context 64, prefill 16,
+    uint16 graph IO (the default), weights not shared, evaluated on held-out text. Returns (folder, process)."""
+    import tiny_gemma4  # on sys.path through the demo_model_dir fixture
+
+    tmp = tmp_path_factory.mktemp("cli-16a8w")
+    out = tmp / "out"
+    paragraphs = tiny_gemma4.corpus().split("\n\n")
+    calib = tmp / "calib.txt"
+    calib.write_text("\n\n".join(paragraphs[:40]))
+    held_out = tmp / "eval.txt"
+    held_out.write_text("\n\n".join(paragraphs[-40:]))
+    proc = run_python(
+        "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
+        "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
+        "--embedding-quant", "8,0", "--shards", "2",
+        "--calib-file", str(calib), "--calib-limit", "8", "--evaluate", str(held_out), "--evaluate-tokens", "189",
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc

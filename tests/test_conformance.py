@@ -15,12 +15,13 @@ from optimum_qnn.evaluation import sqnr_db
 from optimum_qnn.modeling import QNNModelForCausalLM
 from tests.stock_runner import StockRunnerHost
 
-EXPORTS = ["fp16_export", "demo_kv_export"]
+# fp16 hybrid (float IO), fp16 kv, 16a8w hybrid in two shards with uint16 IO.
+EXPORTS = ["fp16_export", "demo_kv_export", "cli_16a8w_export"]
 
 
 def _artifact(request, name):
     value = request.getfixturevalue(name)
-    return getattr(value, "output", value)
+    return value[0] if isinstance(value, tuple) else getattr(value, "output", value)
 
 
 @pytest.mark.parametrize("export", EXPORTS)
@@ -48,6 +49,10 @@ def test_stock_runner_inputs_give_the_project_s_tokens_and_logits(request, expor
     assert new == ours
     model._session.reset()
     our_logits = model._session.feed(torch.tensor(prompt))[-1]
+    logits_spec = model.contract.methods[0].outputs[0]
+    if logits_spec.quantized:  # the runner argmaxes the raw uint16 logits; the host dequantizes them
+        assert runner_logits.dtype == torch.uint16 and host.mask_dtype == torch.uint16
+        runner_logits = logits_spec.dequantize(runner_logits)
     sqnr = sqnr_db(runner_logits.float(), our_logits)
     print(f"{export}: runner calls {host.calls[:3]}..., first-token logits SQNR {sqnr:.1f} dB, tokens {new}")
     assert sqnr >= 60

@@ -102,25 +102,13 @@ def test_every_decoder_op_runs_on_the_htp(fp16_export):
     assert [m.name for m in manifest.contract.methods] == ["prefill_forward", "kv_forward"]
 
 
-def test_cli_exports_16a8w_hybrid_and_quality(demo_model_dir, tmp_path, run_python):
+def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     """16a8w hybrid in two shards through the command line. Both methods are checked against fp32 on their own (the prefill
     method once computed the logit softcap wrongly on rows 2.. after lowering, see ops/softcap.py) and together."""
-    out = tmp_path / "out"
-    calib = tmp_path / "calib.txt"
+    out, proc = cli_16a8w_export
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
     paragraphs = tiny_gemma4.corpus().split("\n\n")
-    calib.write_text("\n\n".join(paragraphs[:40]))
-    held_out = tmp_path / "eval.txt"
-    held_out.write_text("\n\n".join(paragraphs[-40:]))
-    proc = run_python(
-        "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
-        "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
-        "--embedding-quant", "8,0", "--shards", "2",
-        "--calib-file", str(calib), "--calib-limit", "8", "--evaluate", str(held_out), "--evaluate-tokens", "189",
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
     # --shards 2: two QNN contexts per method, handing over through one CPU-side identity op.
     delegation = proc.stdout.split("Delegation (SM8650)")[1]
