@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import TextIO
 
 from optimum_qnn import __version__
-from optimum_qnn.sdk import QnnSdk, QnnSdkError, check_runtime_can_load, ensure_qnn_sdk, supported_socs
+from optimum_qnn.sdk import (
+    QnnSdk,
+    QnnSdkError,
+    check_runtime_can_load,
+    ensure_qnn_sdk,
+    supported_socs,
+    unsigned_windows_skels,
+)
 from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
 
 # Distribution name -> the version verified with this release (docs/environment.md); None: any.
@@ -124,6 +131,9 @@ def run_doctor(path: Path | None = None, out: TextIO = sys.stdout, err: TextIO =
     if sdk.skel_dirs:
         folders = sorted({str(d) for d in sdk.skel_dirs.values()})
         rows.append(("skels", f"HTP {', '.join(f'v{a}' for a in sdk.skel_dirs)} in {', '.join(folders)}"))
+        unsigned = unsigned_windows_skels(sdk.skel_dirs) if sdk.htp_library.suffix == ".dll" else []
+        if unsigned:  # Windows verifies a skel through its catalog before the NPU runs it
+            rows.append(("unsigned", f"HTP {', '.join(f'v{a}' for a in unsigned)}: no libqnnhtpv<arch>.cat beside the skel"))
     _rows(rows, out)
 
     backends = registered_backends()

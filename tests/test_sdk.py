@@ -485,26 +485,3 @@ def test_inherited_root_of_registry_libraries_keeps_its_label(run_python, qnn_sd
     result = run_python("-c", _PRINT_SDK, env={"QNN_SDK_ROOT": str(qnn_sdk.root)})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["source"] == qnn_sdk.source
-
-
-def test_doctor_reports_build_id_and_source(run_python, tmp_path):
-    cache = tmp_path / "cache"
-    result = run_python("-m", "optimum_qnn", "doctor", env={"OPTIMUM_QNN_CACHE": str(cache)})
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert f"build id      {BUILD_ID_PREFIX}." in out
-    assert "source        onnxruntime-qnn==2.5.0" in out
-    assert f"QNN_SDK_ROOT  {cache / 'qnn-sdk' / '2.5.0'}" in out
-    assert "onnxruntime_qnn" in out  # the libraries' real folder
-    for soc in Soc:
-        assert f"{soc.value}  HTP v{soc.htp_arch}" in out
-    assert (cache / "qnn-sdk" / "2.5.0" / "lib" / "x86_64-linux-clang" / "libQnnHtp.so").is_file()
-
-
-def test_doctor_refuses_a_wrong_sdk_folder(run_python, tmp_path):
-    (tmp_path / "lib").mkdir()
-    result = run_python("-m", "optimum_qnn", "doctor", env={"QNN_SDK_ROOT": str(tmp_path)})
-    assert result.returncode == 1
-    assert "QNN libraries: NOT USABLE" in result.stderr
-    assert f"QNN_SDK_ROOT={tmp_path} does not look like a QAIRT SDK" in result.stderr
-    assert f"expected {tmp_path}/lib/x86_64-linux-clang/{{libQnnHtp.so,libQnnSystem.so}}" in result.stderr

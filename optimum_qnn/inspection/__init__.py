@@ -16,7 +16,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,14 @@ from typing import Any
 from optimum_qnn.config import Soc
 from optimum_qnn.inspection.pte import QnnDelegate, qnn_delegates
 from optimum_qnn.inspection.qnn_system import BinaryInfo, Encoding, QnnInspectError, QnnSystem, TensorInfo
+from optimum_qnn.manifest import Inspection, QnnContext, QnnGraph, QnnTensor, SharingCheck
 
-__all__ = ["ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds", "inspect_bytes", "inspect_pte"]
+__all__ = [
+    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds",
+    "SharingCheck", "export_time_inspection", "inspect_bytes", "inspect_pte", "manifest_inspection",
+]
+
+logger = logging.getLogger(__name__)
 
 # QNN's SoC model ids (Qnn_SocModel_t in QnnTypes.h) of the SoCs optimum-qnn targets.
 QNN_SOC_MODELS = {43: Soc.SM8550, 57: Soc.SM8650, 69: Soc.SM8750, 87: Soc.SM8850}
@@ -192,34 +200,11 @@ def format_report(report: PteReport) -> str:
 # --- Shared vs non-shared build --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BuildComparison:
-    """How a weight-shared build compares with the non-shared build of the same model.
-
-    Args:
-        same_graphs: same contexts, graph names, and each graph's IO names, dtypes, shapes and encodings.
-        differences: what differs, one line each (empty when `same_graphs`).
-        shared_size, unshared_size: total context binary bytes of each build.
-        saved_bytes: `unshared_size - shared_size`.
-        shared_weights_bytes: the shared build's weight pool (one copy of the HTP weights).
-        weights_stored_once: the shared build is smaller by at least half the pool per extra graph that would
-            otherwise hold its own copy, and its graphs keep (almost) no per-graph weights.
-    """
-
-    same_graphs: bool
-    differences: list[str]
-    shared_size: int
-    unshared_size: int
-    saved_bytes: int
-    shared_weights_bytes: int
-    weights_stored_once: bool
-
-
 def _signature(t: TensorInfo) -> tuple:
     return t.dtype, tuple(t.shape), t.encoding
 
 
-def compare_builds(shared: PteReport, unshared: PteReport) -> BuildComparison:
+def compare_builds(shared: PteReport, unshared: PteReport) -> SharingCheck:
     """Check that a weight-shared build holds the same graphs, IO and encodings as the non-shared one, and stores
     its weights once.
 
@@ -258,4 +243,50 @@ def compare_builds(shared: PteReport, unshared: PteReport) -> BuildComparison:
         and not any(c.shared_weights_bytes for c in unshared.contexts)
         and saved >= extra_copies * pool // 2
     )
-    return BuildComparison(not diffs, diffs, shared_size, unshared_size, saved, pool, once)
+    return SharingCheck(not diffs, diffs, shared_size, unshared_size, saved, pool, once)
+
+
+def manifest_inspection(report: PteReport, check: SharingCheck | None = None) -> Inspection:
+    """The manifest's `inspection` section: `report`'s contexts, and the shared/non-shared check when one ran."""
+    def tensors(ts: list[TensorInfo]) -> list[QnnTensor]:
+        return [QnnTensor(t.name, t.dtype, list(t.shape), t.encoding.summary() if t.encoding else None) for t in ts]
+
+    contexts = [
+        QnnContext(
+            delegates=list(c.delegates), size=c.size, soc=c.soc, htp_arch=c.htp_arch, build_id=c.build_id,
+            weight_sharing=c.weight_sharing, shared_weights_bytes=c.shared_weights_bytes, const_bytes=c.const_bytes,
+            graphs=[QnnGraph(g.name, tensors(g.inputs), tensors(g.outputs)) for g in c.graphs],
+        )
+        for c in report.contexts
+    ]
+    return Inspection(contexts, check)
+
+
+def export_time_inspection(buffer: bytes, lower_unshared: Callable[[], bytes] | None = None) -> Inspection | None:
+    """The manifest's `inspection` of a freshly lowered program.
+
+    Args:
+        buffer: the lowered `.pte` bytes.
+        lower_unshared: when given (and the program shares weights), lowers the same graphs without weight sharing
+            and returns its bytes; both builds are then compared (`compare_builds`) and the result recorded.
+    """
+    try:
+        report = inspect_bytes(buffer, "the lowered program")
+    except QnnInspectError as e:
+        if lower_unshared is not None:
+            raise
+        # The record is optional: a QNN System library this reader does not understand must not stop an export.
+        logger.warning("Not recording the context binaries in the manifest: %s", e)
+        return None
+    check = None
+    if lower_unshared is not None and any(c.weight_sharing for c in report.contexts):
+        check = compare_builds(report, inspect_bytes(lower_unshared(), "the non-shared lowering"))
+        if check.same_graphs and check.weights_stored_once:
+            logger.info(
+                "Weight-shared build checked against the non-shared one: same graphs, IO and encodings; "
+                "%.2f MB smaller (shared weight pool %.2f MB)", check.saved_bytes / 2**20, check.shared_weights_bytes / 2**20,
+            )
+        else:
+            logger.warning("The weight-shared build differs from the non-shared one: %s", "; ".join(check.differences)
+                           or f"weights not stored once (saved {check.saved_bytes} bytes, pool {check.shared_weights_bytes})")
+    return manifest_inspection(report, check)

@@ -66,10 +66,10 @@ class _Table:
         return None if at is None else _Table(self.buf, self._indirect(at))
 
     def string(self, index: int) -> str:
-        data = self.bytes(index)
+        data = self.blob(index)
         return data.decode() if data is not None else ""
 
-    def bytes(self, index: int) -> bytes | None:
+    def blob(self, index: int) -> bytes | None:
         at = self._field(index)
         if at is None:
             return None
@@ -186,11 +186,11 @@ def _delegates(data: bytes) -> list[QnnDelegate]:
                     raise QnnInspectError(f"segment {ref_index} of method {method} runs past the end of the file")
                 payload, key = data[start:start + size], f"segment:{ref_index}"
             else:
-                payload, key = inline[ref_index].bytes(0) or b"", f"inline:{ref_index}"
+                payload, key = inline[ref_index].blob(0) or b"", f"inline:{ref_index}"
             options = None
             for spec in delegate.tables(_DELEGATE_COMPILE_SPECS):
                 if spec.string(0) == QNN_COMPILE_SPEC_KEY:
-                    options = compile_options(spec.bytes(1) or b"")
+                    options = compile_options(spec.blob(1) or b"")
             found.append(QnnDelegate(method, index, key, strip_context_header(payload), options))
     return found
 
