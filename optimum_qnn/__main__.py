@@ -43,17 +43,23 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
 
     def handler(args: argparse.Namespace) -> int:
         import json
+        import os
         from pathlib import Path
 
         from optimum_qnn.errors import OptimumQnnError
         from optimum_qnn.inspection import inspect_pte
 
         path = Path(args.path) / "model.pte" if Path(args.path).is_dir() else Path(args.path)
+        stdout = os.dup(1)
+        os.dup2(2, 1)  # the QNN libraries print to the process's stdout: keep it for the report (--json stays JSON)
         try:
             report = inspect_pte(path)
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        finally:
+            os.dup2(stdout, 1)
+            os.close(stdout)
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
         return 0
 
