@@ -175,7 +175,8 @@ class VariantWriter:
         return self._root_files
 
     def write_variant(
-        self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None, evaluate=None
+        self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None, evaluate=None,
+        inspection=None,
     ) -> Path:
         """Write one variant atomically; returns its folder.
 
@@ -213,6 +214,7 @@ class VariantWriter:
                 tokenizer=self._tokenizer_info(root_files),
                 program=file_entry(staging, PROGRAM_NAME),
                 files=[file_entry(staging, PROGRAM_NAME)],
+                inspection=inspection,
             )
             manifest.write(staging)
             if evaluate is not None:

@@ -1,7 +1,8 @@
-"""`python -m optimum_qnn doctor`: what this installation can do, and why not when it cannot.
+"""`python -m optimum_qnn doctor [PATH]`: what this installation can do, and why not when it cannot.
 
-Prints the versions of the stack, the QNN libraries in use (path, source, build id) and the SoCs that can be
-targeted. Exits non-zero, with the reason, when the QNN libraries cannot be set up.
+Prints the versions of the stack, the QNN libraries in use (path, source, QAIRT build, Hexagon skels), whether
+ExecuTorch's runtime has the QNN backend registered, the SoCs that can be targeted and, with PATH, which exported
+variants under it this host can run. Exits non-zero, with the reason and the fix, when QNN cannot be used here.
 """
 
 from __future__ import annotations
@@ -9,10 +10,20 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from optimum_qnn import __version__
-from optimum_qnn.sdk import QnnSdkError, ensure_qnn_sdk, supported_socs
+from optimum_qnn.sdk import (
+    QnnSdk,
+    QnnSdkError,
+    check_runtime_can_load,
+    ensure_qnn_sdk,
+    supported_socs,
+    unsigned_windows_skels,
+)
+from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
 
 # Distribution name -> the version verified with this release (docs/environment.md); None: any.
 STACK = {
@@ -40,10 +51,65 @@ def _rows(rows: list[tuple[str, str]], out: TextIO) -> None:
         print(f"  {key.ljust(width)}  {value}", file=out)
 
 
-def run_doctor(out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+@dataclass(frozen=True)
+class Verdict:
+    """Whether this host can run one exported variant, and why not."""
+
+    variant: str
+    description: str
+    runnable: bool
+    reason: str
+
+
+def is_emulator_host(machine: str) -> bool:
+    """x86_64 hosts run QNN through the HTP emulator inside libQnnHtp.so, which cannot load weight-shared contexts."""
+    return machine.lower() in ("x86_64", "amd64")
+
+
+def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -> list[Verdict]:
+    """Every exported variant (folder with a manifest.json) under `path`, judged for this host."""
+    from optimum_qnn.manifest import ManifestError, read_manifest
+
+    verdicts = []
+    manifests = [path / "manifest.json"] if (path / "manifest.json").is_file() else sorted(path.rglob("manifest.json"))
+    for manifest_path in manifests:
+        folder = manifest_path.parent
+        name = str(folder.relative_to(path)) if folder != path else folder.name
+        try:
+            manifest = read_manifest(folder)
+        except ManifestError as e:
+            verdicts.append(Verdict(name, "unreadable manifest", False, str(e)))
+            continue
+        shared = manifest.contract.weight_sharing
+        description = (
+            f"{manifest.target.soc}, {manifest.quantization.scheme}, weights {'shared' if shared else 'not shared'}, "
+            f"QAIRT {manifest.versions.qairt_build_id}"
+        )
+        if QNN_BACKEND not in backends:
+            verdicts.append(Verdict(name, description, False, "this ExecuTorch has no QNN backend (the fix is below)"))
+            continue
+        if shared and is_emulator_host(machine):
+            verdicts.append(Verdict(
+                name, description, False,
+                "weight-shared: the x86 HTP emulator cannot load it (it is the phone build; re-export with "
+                "--no-weight-sharing to run it here)",
+            ))
+            continue
+        try:
+            check_runtime_can_load(manifest.versions.qairt_build_id, sdk.build_id, runtime_source=sdk.source)
+        except QnnSdkError as e:
+            verdicts.append(Verdict(name, description, False, str(e)))
+            continue
+        where = "on the x86 HTP emulator" if is_emulator_host(machine) else f"on this {machine} host's HTP"
+        verdicts.append(Verdict(name, description, True, where))
+    return verdicts
+
+
+def run_doctor(path: Path | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Print the diagnosis; return the process exit code (0: QNN usable, 1: not)."""
+    machine, system = platform.machine(), platform.system()
     print(f"optimum-qnn {__version__}", file=out)
-    versions = [("python", f"{platform.python_version()} ({platform.machine()})")]
+    versions = [("python", f"{platform.python_version()} ({machine}, {system})")]
     for dist, verified in STACK.items():
         found = installed_version(dist)
         # Compare without the local label: torch's CPU wheel is `2.13.0+cpu`.
@@ -61,20 +127,42 @@ def run_doctor(out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     print("\nQNN libraries", file=out)
     lib_dir = sdk.lib_dir
     where = f"{lib_dir} -> {lib_dir.resolve()}" if lib_dir.resolve() != lib_dir else str(lib_dir)
-    _rows(
-        [
-            ("build id", sdk.build_id),
-            ("source", sdk.source),
-            ("QNN_SDK_ROOT", str(sdk.root)),
-            ("libraries", where),
-        ],
-        out,
-    )
+    rows = [("build id", sdk.build_id), ("source", sdk.source), ("QNN_SDK_ROOT", str(sdk.root)), ("libraries", where)]
+    if sdk.skel_dirs:
+        folders = sorted({str(d) for d in sdk.skel_dirs.values()})
+        rows.append(("skels", f"HTP {', '.join(f'v{a}' for a in sdk.skel_dirs)} in {', '.join(folders)}"))
+        unsigned = unsigned_windows_skels(sdk.skel_dirs) if sdk.htp_library.suffix == ".dll" else []
+        if unsigned:  # Windows verifies a skel through its catalog before the NPU runs it
+            rows.append(("unsigned", f"HTP {', '.join(f'v{a}' for a in unsigned)}: no libqnnhtpv<arch>.cat beside the skel"))
+    _rows(rows, out)
+
+    backends = registered_backends()
+    has_qnn = QNN_BACKEND in backends
+    print("\nExecuTorch runtime", file=out)
+    _rows([
+        ("backends", ", ".join(backends) or "none"),
+        ("QNN backend", "registered" if has_qnn else "MISSING"),
+        ("QNN runs on", "the x86 HTP emulator (builds without weight sharing)" if is_emulator_host(machine)
+         else "this device's HTP"),
+    ], out)
 
     socs = supported_socs()
     print("\nTargetable SoCs", file=out)
     _rows([(soc.value, f"HTP v{soc.htp_arch}") for soc in socs], out)
+
+    if path is not None:
+        verdicts = judge_variants(Path(path), sdk, backends, machine)
+        runnable = sum(v.runnable for v in verdicts)
+        print(f"\nArtifacts under {path}: {runnable} of {len(verdicts)} can run here", file=out)
+        for v in verdicts:
+            print(f"  {v.variant} ({v.description})", file=out)
+            print(f"    {'yes' if v.runnable else 'no'}: {v.reason}", file=out)
+
+    status = 0
+    if not has_qnn:
+        print(f"\nQNN backend: MISSING\n  {qnn_backend_missing_message(backends, machine, system)}", file=err)
+        status = 1
     if not socs:
         print("  none: this executorch knows none of optimum-qnn's SoCs", file=err)
-        return 1
-    return 0
+        status = 1
+    return status

@@ -5,6 +5,7 @@ The model is loaded, swapped, exported and calibrated once; only the lowering ru
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import resource
@@ -114,6 +115,7 @@ def export(
     allow_pickle: bool = False,
     evaluate: Path | None = None,
     evaluate_tokens: int = DEFAULT_MAX_TOKENS,
+    check_weight_sharing: bool = False,
 ) -> ExportResult:
     """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
 
@@ -127,6 +129,9 @@ def export(
         evaluate: a text file; each variant is run on it (on this host's HTP, or the x86 emulator) before it is put
             in place, and perplexity (fp32 vs exported) and logits SQNR go into its manifest.
         evaluate_tokens: at most this many tokens of ``evaluate`` are scored.
+        check_weight_sharing: for a weight-shared export, also lower the graphs without weight sharing (one more
+            lowering per SoC) and record in the manifest that both builds hold the same graphs, IO and encodings
+            and that the shared one stores its weights once (`inspection.sharing_check`).
 
     Returns:
         The variant folders written and per-stage wall time / peak RSS.
@@ -172,29 +177,28 @@ def export(
         Path(output), source_folder=folder, model_id=str(model), revision=revision, load_report=load_report,
         tokenizer=tokenizer, text_config=static.text_config,
     )
+    from optimum_qnn.inspection import export_time_inspection
     from optimum_qnn.lowering import format_delegation, lower_to_pte
 
     evaluator = None
     if evaluate is not None:
         evaluator = _evaluator(hf_model, static, tokenizer, Path(evaluate), evaluate_tokens, result)
     for soc in config.socs:
+        lower = functools.partial(
+            lower_to_pte, sources, soc, fp16=not config.quant.is_quantized,
+            constant_methods=runner_metadata(static, config, contract), skip_ops=_CPU_OPS, int64_inputs={"tokens"},
+            shard_starts=shard_starts, quantized_io=quantized_io,
+        )
         with _stage(result, f"lower {soc.value}"):
-            lowered = lower_to_pte(
-                sources,
-                soc,
-                fp16=not config.quant.is_quantized,
-                constant_methods=runner_metadata(static, config, contract),
-                weight_sharing=config.weight_sharing and len(methods) > 1,
-                skip_ops=_CPU_OPS,
-                int64_inputs={"tokens"},
-                shard_starts=shard_starts,
-                quantized_io=quantized_io,
-            )
+            lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1)
             result.delegation[soc.value] = format_delegation(lowered.delegation)
+        with _stage(result, f"inspect {soc.value}"):
+            unshared = (lambda: lower(weight_sharing=False).buffer) if check_weight_sharing else None
+            inspection = export_time_inspection(lowered.buffer, unshared)
         with _stage(result, f"write {soc.value}"):
             path = writer.write_variant(
                 variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
-                evaluate=evaluator,
+                evaluate=evaluator, inspection=inspection,
             )
             result.variants.append(path)
     return result

@@ -145,6 +145,67 @@ class Evaluation:
 
 
 @dataclass(frozen=True)
+class QnnTensor:
+    """A graph input or output as the context binary records it (`encoding`: a summary, None when float)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    encoding: str | None
+
+
+@dataclass(frozen=True)
+class QnnGraph:
+    name: str
+    inputs: list[QnnTensor]
+    outputs: list[QnnTensor]
+
+
+@dataclass(frozen=True)
+class QnnContext:
+    """One QNN context binary of the .pte, read back with the QNN System library (`python -m optimum_qnn inspect`)."""
+
+    delegates: list[str]
+    size: int
+    soc: str
+    htp_arch: int | None
+    build_id: str
+    weight_sharing: bool | None
+    shared_weights_bytes: int
+    const_bytes: int
+    graphs: list[QnnGraph]
+
+
+@dataclass(frozen=True)
+class SharingCheck:
+    """The weight-shared build compared with a non-shared lowering of the same graphs (`inspection.compare_builds`).
+
+    Args:
+        same_graphs: same contexts, graph names, and each graph's IO names, dtypes, shapes and encodings.
+        differences: what differs, one line each (empty when `same_graphs`).
+        shared_size, unshared_size: total context binary bytes of each build.
+        saved_bytes: `unshared_size - shared_size`.
+        shared_weights_bytes: the shared build's weight pool (one copy of the HTP weights).
+        weights_stored_once: the shared build has a pool, the other none, and it is smaller by at least half the
+            pool per graph that would otherwise hold its own copy.
+    """
+
+    same_graphs: bool
+    differences: list[str]
+    shared_size: int
+    unshared_size: int
+    saved_bytes: int
+    shared_weights_bytes: int
+    weights_stored_once: bool
+
+
+@dataclass(frozen=True)
+class Inspection:
+    contexts: list[QnnContext]
+    sharing_check: SharingCheck | None = None
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: str
     source: Source
@@ -156,6 +217,7 @@ class Manifest:
     program: FileEntry
     files: list[FileEntry]
     evaluation: Evaluation | None = None
+    inspection: Inspection | None = None  # absent in manifests written before optimum-qnn recorded it
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=False) + "\n"

@@ -340,6 +340,9 @@ def _load_program(path: Path, manifest: Manifest):
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     from executorch.runtime import Runtime
 
+    from optimum_qnn.sdk.backend import check_qnn_backend
+
+    check_qnn_backend()  # an ExecuTorch without QNN would fail in load_method with a bare backend error
     try:
         return Runtime.get().load_program(path)
     except (RuntimeError, ValueError) as e:

@@ -16,11 +16,13 @@ from optimum_qnn.sdk import (
     check_onnxruntime_qnn_version,
     check_runtime_can_load,
     find_host_lib_dir,
+    find_skel_dirs,
     host_lib_dir_patterns,
     parse_build_id,
     qairt_major_minor,
     registry_libraries,
     supported_socs,
+    unsigned_windows_skels,
 )
 
 BUILD_ID_PREFIX = "v2.49.40"
@@ -42,44 +44,25 @@ def _make_libs(folder: Path, names=("libQnnHtp.so", "libQnnSystem.so")) -> Path:
     return folder
 
 
-# The file layout of the qnnruntime 2.48.0.2 wheel (aarch64 Linux only), as empty files.
-QNNRUNTIME_VERSION = "2.48.0.2"
-QNNRUNTIME_SKEL_ARCHS = (68, 69, 73, 75, 79, 81)
-_QNNRUNTIME_FILES = (
-    "__init__.py",
-    "_qnnruntime.cpython-311-aarch64-linux-gnu.so",
-    "session.py",
-    *(
-        f".libs/{name}"
-        for name in (
-            "libQnnCpu.so",
-            "libQnnHtp.so",
-            "libQnnHtpPrepare.so",
-            "libQnnSystem.so",
-            "libcalculator.so",
-            "libhta_hexagon_runtime_qnn.so",
-        )
-    ),
-    *(f".libs/libQnnHtpV{arch}{kind}Stub.so" for arch in QNNRUNTIME_SKEL_ARCHS for kind in ("", "Calculator")),
-    *(
-        f".libs/hexagon-v{arch}/unsigned/{name}"
-        for arch in QNNRUNTIME_SKEL_ARCHS
-        for name in (f"libQnnHtpV{arch}Skel.so", "libCalculator_skel.so")
-    ),
-    ".libs/hexagon-v73/unsigned/libqnnhtpv7x.cat",
-    ".libs/hexagon-v81/unsigned/libqnnhtpv7x.cat",
-    ".libs/hexagon-v66/unsigned/libCalculator_skel.so",
-)
+# The file lists of the registry's onnxruntime-qnn 2.5.0 wheels for Snapdragon hosts (names only, read with
+# `unzip -l`; the libraries themselves are never in the repo).
+WHEELS = Path(__file__).parent / "data" / "wheels"
+AARCH64_WHEEL = "onnxruntime_qnn-2.5.0-manylinux_2_34_aarch64.txt"
+WIN_ARM64_WHEEL = "onnxruntime_qnn-2.5.0-win_arm64.txt"
 
 
-def _qnnruntime_package(site: Path, without: tuple[str, ...] = ()) -> Path:
-    """`site/qnnruntime/` laid out like the installed wheel (empty files), minus the paths in `without`."""
-    package = site / "qnnruntime"
-    for relative in _QNNRUNTIME_FILES:
-        if relative not in without:
-            (package / relative).parent.mkdir(parents=True, exist_ok=True)
-            (package / relative).write_bytes(b"")
-    return package
+def _wheel_files(listing: str) -> list[str]:
+    lines = (WHEELS / listing).read_text().splitlines()
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _install_wheel(site: Path, listing: str, without: tuple[str, ...] = ()) -> Path:
+    """`site/onnxruntime_qnn/` laid out like the installed wheel (empty files), minus the names in `without`."""
+    for relative in _wheel_files(listing):
+        if relative.startswith("onnxruntime_qnn/") and relative.split("/", 1)[1] not in without:
+            (site / relative).parent.mkdir(parents=True, exist_ok=True)
+            (site / relative).write_bytes(b"")
+    return site / "onnxruntime_qnn"
 
 
 def _installed(packages: dict[str, Path], versions: dict[str, str]):
@@ -91,17 +74,28 @@ def _installed(packages: dict[str, Path], versions: dict[str, str]):
 
 
 @pytest.mark.parametrize(
-    ("machine", "expected"),
-    [("x86_64", ("x86_64-linux-clang",)), ("AMD64", ("x86_64-linux-clang",)), ("aarch64", ("aarch64-oe-linux-gcc*",))],
+    ("machine", "system", "expected"),
+    [
+        ("x86_64", "Linux", ("x86_64-linux-clang",)),
+        ("AMD64", "Linux", ("x86_64-linux-clang",)),
+        ("aarch64", "Linux", ("aarch64-oe-linux-gcc*",)),
+        ("ARM64", "Windows", ("aarch64-windows-msvc", "arm64x-windows-msvc")),
+    ],
 )
-def test_host_lib_dir_patterns(machine, expected):
-    assert host_lib_dir_patterns(machine, "Linux") == expected
+def test_host_lib_dir_patterns(machine, system, expected):
+    assert host_lib_dir_patterns(machine, system) == expected
 
 
-@pytest.mark.parametrize(("machine", "system", "message"), [("riscv64", "Linux", "riscv64"), ("x86_64", "Darwin", "Darwin")])
-def test_host_lib_dir_patterns_refuses_unknown_hosts(machine, system, message):
-    with pytest.raises(QnnSdkError, match=message):
+@pytest.mark.parametrize(
+    ("machine", "system"), [("riscv64", "Linux"), ("x86_64", "Darwin"), ("arm64", "Darwin"), ("AMD64", "Windows")]
+)
+def test_hosts_without_qnn_libraries_are_refused(machine, system):
+    with pytest.raises(QnnSdkError) as info:
         host_lib_dir_patterns(machine, system)
+    assert str(info.value) == (
+        f"No QNN host libraries for this {machine.lower()} {system} host; supported hosts: x86_64 Linux, "
+        "aarch64 Linux, Windows on Snapdragon (ARM64)"
+    )
 
 
 def test_aarch64_host_picks_newest_toolchain_folder(tmp_path):
@@ -110,6 +104,14 @@ def test_aarch64_host_picks_newest_toolchain_folder(tmp_path):
     _make_libs(tmp_path / "lib" / "x86_64-linux-clang")
     assert find_host_lib_dir(tmp_path, machine="aarch64", system="Linux") == newest
     assert find_host_lib_dir(tmp_path, machine="x86_64", system="Linux") == tmp_path / "lib" / "x86_64-linux-clang"
+
+
+def test_windows_sdk_folder(tmp_path):
+    lib_dir = _make_libs(tmp_path / "lib" / "aarch64-windows-msvc", names=("QnnHtp.dll", "QnnSystem.dll"))
+    assert find_host_lib_dir(tmp_path, machine="ARM64", system="Windows") == lib_dir
+    _make_libs(tmp_path / "other" / "lib" / "aarch64-windows-msvc")  # Linux names: not a Windows SDK
+    with pytest.raises(QnnSdkError, match=r"aarch64-windows-msvc/\{QnnHtp.dll,QnnSystem.dll\}"):
+        find_host_lib_dir(tmp_path / "other", machine="ARM64", system="Windows")
 
 
 def test_aarch64_sdk_refused_on_x86_host(tmp_path):
@@ -143,42 +145,36 @@ def test_wrong_onnxruntime_qnn_version_message():
 
 
 @pytest.mark.parametrize("machine", ["aarch64", "arm64"])
-def test_aarch64_linux_resolves_to_qnnruntime(tmp_path, machine):
-    package = _qnnruntime_package(tmp_path / "site")
-    asked = []
-    find, version_of = _installed({"qnnruntime": package}, {"qnnruntime": QNNRUNTIME_VERSION})
-
-    def find_package(name):
-        asked.append(name)
-        return find(name)
-
-    libs = registry_libraries(machine, "Linux", find_package=find_package, version_of=version_of)
-    assert asked == ["qnnruntime"]
-    assert libs.dist == "qnnruntime" and libs.version == QNNRUNTIME_VERSION
-    assert libs.source == "qnnruntime==2.48.0.2"
-    assert libs.lib_source == package / ".libs"
-    assert libs.host_dir == "aarch64-oe-linux-gcc11.2"
-    assert libs.cache_name == "qnnruntime-2.48.0.2"
-    # Only the folders holding an HTP skel: hexagon-v66 holds a calculator skel only.
-    assert dict(libs.skel_dirs) == {
-        arch: package / ".libs" / f"hexagon-v{arch}" / "unsigned" for arch in QNNRUNTIME_SKEL_ARCHS
-    }
+def test_aarch64_linux_uses_the_onnxruntime_qnn_aarch64_wheel(tmp_path, machine):
+    package = _install_wheel(tmp_path / "site", AARCH64_WHEEL)
+    find, version_of = _installed({"onnxruntime_qnn": package}, {"onnxruntime-qnn": "2.5.0"})
+    libs = registry_libraries(machine, "Linux", find_package=find, version_of=version_of)
+    assert libs.source == "onnxruntime-qnn==2.5.0"
+    assert libs.lib_source == package
+    assert libs.host_dir == "aarch64-oe-linux-gcc11.2" and libs.cache_name == "2.5.0"
+    # The wheel puts every skel flat beside libQnnHtp.so: that one folder serves each HTP arch.
+    assert dict(libs.skel_dirs) == {arch: package for arch in (68, 69, 73, 75, 79, 81)}
     # The exposed host folder is one find_host_lib_dir looks for on aarch64 (an inherited QNN_SDK_ROOT).
-    assert [libs.host_dir] == [p.name for p in _glob_host_dir(tmp_path, libs.host_dir, "aarch64")]
+    (tmp_path / "probe" / "lib" / libs.host_dir).mkdir(parents=True)
+    globbed = [d.name for p in host_lib_dir_patterns(machine, "Linux") for d in (tmp_path / "probe" / "lib").glob(p)]
+    assert globbed == [libs.host_dir]
 
 
-def _glob_host_dir(tmp_path: Path, host_dir: str, machine: str) -> list[Path]:
-    (tmp_path / "probe" / "lib" / host_dir).mkdir(parents=True)
-    return [d for p in host_lib_dir_patterns(machine, "Linux") for d in (tmp_path / "probe" / "lib").glob(p)]
+def test_windows_on_snapdragon_uses_the_onnxruntime_qnn_win_arm64_wheel(tmp_path):
+    package = _install_wheel(tmp_path / "site", WIN_ARM64_WHEEL)
+    find, version_of = _installed({"onnxruntime_qnn": package}, {"onnxruntime-qnn": "2.5.0"})
+    libs = registry_libraries("ARM64", "Windows", find_package=find, version_of=version_of)
+    assert libs.source == "onnxruntime-qnn==2.5.0" and libs.lib_source == package
+    assert (libs.host.htp_library, libs.host.system_library) == ("QnnHtp.dll", "QnnSystem.dll")
+    assert libs.host.skels == "beside_library"  # Windows finds the skels beside QnnHtp.dll: nothing to set
+    assert dict(libs.skel_dirs) == {68: package, 73: package, 81: package}
+    # The catalogs Windows verifies a skel's signature with: the wheel has them for v73 and v81 only.
+    assert unsigned_windows_skels(libs.skel_dirs) == [68]
 
 
-def test_x86_64_linux_still_resolves_to_onnxruntime_qnn(tmp_path):
+def test_x86_64_linux_resolves_to_onnxruntime_qnn(tmp_path):
     ort = _make_libs(tmp_path / "site" / "onnxruntime_qnn")
-    qnnruntime = _qnnruntime_package(tmp_path / "site")
-    find, version_of = _installed(
-        {"onnxruntime_qnn": ort, "qnnruntime": qnnruntime},
-        {"onnxruntime-qnn": "2.5.0", "qnnruntime": QNNRUNTIME_VERSION},
-    )
+    find, version_of = _installed({"onnxruntime_qnn": ort}, {"onnxruntime-qnn": "2.5.0"})
     libs = registry_libraries("x86_64", "Linux", find_package=find, version_of=version_of)
     assert (libs.dist, libs.version, libs.source) == ("onnxruntime-qnn", "2.5.0", "onnxruntime-qnn==2.5.0")
     assert libs.lib_source == ort
@@ -186,67 +182,69 @@ def test_x86_64_linux_still_resolves_to_onnxruntime_qnn(tmp_path):
     assert dict(libs.skel_dirs) == {}
 
 
-def test_x86_64_ignores_qnnruntime_and_still_pins_onnxruntime_qnn(tmp_path):
-    find, version_of = _installed({"qnnruntime": _qnnruntime_package(tmp_path)}, {"qnnruntime": QNNRUNTIME_VERSION})
-    with pytest.raises(QnnSdkError) as info:
-        registry_libraries("x86_64", "Linux", find_package=find, version_of=version_of)
-    assert str(info.value) == (
-        "No QNN libraries found: QNN_SDK_ROOT is unset and onnxruntime-qnn is not installed. "
-        "Fix: pip install onnxruntime-qnn==2.5.0, or set QNN_SDK_ROOT to a QAIRT SDK."
-    )
-    find, version_of = _installed({"onnxruntime_qnn": _make_libs(tmp_path / "ort")}, {"onnxruntime-qnn": "2.7.0"})
-    with pytest.raises(QnnSdkError, match="onnxruntime-qnn==2.5.0 is required; found 2.7.0"):
-        registry_libraries("x86_64", "Linux", find_package=find, version_of=version_of)
-
-
-def test_aarch64_without_qnnruntime_says_what_to_do(tmp_path):
-    # onnxruntime-qnn's x86_64 libraries are no use on aarch64, installed or not.
-    find, version_of = _installed({"onnxruntime_qnn": _make_libs(tmp_path / "ort")}, {"onnxruntime-qnn": "2.5.0"})
-    with pytest.raises(QnnSdkError) as info:
-        registry_libraries("aarch64", "Linux", find_package=find, version_of=version_of)
-    assert str(info.value) == (
-        "No QNN libraries found for this aarch64 Linux host: QNN_SDK_ROOT is unset and qnnruntime is not "
-        "installed. Fix: pip install qnnruntime, or set QNN_SDK_ROOT to a QAIRT SDK."
-    )
-
-
-@pytest.mark.parametrize("missing", ["libQnnHtp.so", "libQnnSystem.so"])
-def test_qnnruntime_missing_a_library(tmp_path, missing):
-    package = _qnnruntime_package(tmp_path, without=(f".libs/{missing}",))
-    find, version_of = _installed({"qnnruntime": package}, {"qnnruntime": QNNRUNTIME_VERSION})
-    with pytest.raises(QnnSdkError) as info:
-        registry_libraries("aarch64", "Linux", find_package=find, version_of=version_of)
-    assert str(info.value) == (
-        f"qnnruntime==2.48.0.2 lacks {package / '.libs' / missing}: reinstall with "
-        "pip install --force-reinstall qnnruntime==2.48.0.2, or set QNN_SDK_ROOT to a QAIRT SDK."
-    )
-
-
-def test_qnnruntime_without_htp_skels(tmp_path):
-    skels = tuple(f".libs/hexagon-v{arch}/unsigned/libQnnHtpV{arch}Skel.so" for arch in QNNRUNTIME_SKEL_ARCHS)
-    package = _qnnruntime_package(tmp_path, without=skels)
-    find, version_of = _installed({"qnnruntime": package}, {"qnnruntime": QNNRUNTIME_VERSION})
-    with pytest.raises(QnnSdkError, match=r"qnnruntime==2\.48\.0\.2 lacks the Hexagon skel libraries") as info:
-        registry_libraries("aarch64", "Linux", find_package=find, version_of=version_of)
-    assert "pip install --force-reinstall qnnruntime==2.48.0.2" in str(info.value)
-
-
-@pytest.mark.parametrize(("machine", "system"), [("riscv64", "Linux"), ("x86_64", "Darwin"), ("arm64", "Darwin")])
-def test_host_no_registry_package_covers(tmp_path, machine, system):
-    package = _qnnruntime_package(tmp_path)
-    find, version_of = _installed({"qnnruntime": package, "onnxruntime_qnn": package}, {})
+@pytest.mark.parametrize(
+    ("machine", "system", "host"),
+    [("x86_64", "Linux", "x86_64 Linux"), ("aarch64", "Linux", "aarch64 Linux"),
+     ("ARM64", "Windows", "Windows on Snapdragon (ARM64)")],
+)
+def test_no_onnxruntime_qnn_says_what_to_do(machine, system, host):
+    find, version_of = _installed({}, {})
     with pytest.raises(QnnSdkError) as info:
         registry_libraries(machine, system, find_package=find, version_of=version_of)
     assert str(info.value) == (
-        f"No QNN libraries for this {machine} {system} host: optimum-qnn runs on x86_64 Linux (pip install "
-        "onnxruntime-qnn==2.5.0) or aarch64 Linux (pip install qnnruntime), or with QNN_SDK_ROOT set to a QAIRT "
-        "SDK for a Linux host."
+        f"No QNN libraries found for this {host} host: QNN_SDK_ROOT is unset and onnxruntime-qnn is not installed. "
+        "Fix: pip install onnxruntime-qnn==2.5.0, or set QNN_SDK_ROOT to a QAIRT SDK."
     )
 
 
+@pytest.mark.parametrize(("machine", "system"), [("aarch64", "Linux"), ("ARM64", "Windows")])
+def test_other_onnxruntime_qnn_versions_are_refused_on_arm_hosts(tmp_path, machine, system):
+    listing = AARCH64_WHEEL if system == "Linux" else WIN_ARM64_WHEEL
+    find, version_of = _installed({"onnxruntime_qnn": _install_wheel(tmp_path, listing)}, {"onnxruntime-qnn": "2.7.0"})
+    with pytest.raises(QnnSdkError, match="onnxruntime-qnn==2.5.0 is required; found 2.7.0"):
+        registry_libraries(machine, system, find_package=find, version_of=version_of)
+
+
+@pytest.mark.parametrize(
+    ("machine", "system", "listing", "missing"),
+    [
+        ("aarch64", "Linux", AARCH64_WHEEL, "libQnnHtp.so"),
+        ("aarch64", "Linux", AARCH64_WHEEL, "libQnnSystem.so"),
+        ("ARM64", "Windows", WIN_ARM64_WHEEL, "QnnHtp.dll"),
+    ],
+)
+def test_wheel_missing_a_library(tmp_path, machine, system, listing, missing):
+    package = _install_wheel(tmp_path, listing, without=(missing,))
+    find, version_of = _installed({"onnxruntime_qnn": package}, {"onnxruntime-qnn": "2.5.0"})
+    with pytest.raises(QnnSdkError) as info:
+        registry_libraries(machine, system, find_package=find, version_of=version_of)
+    assert str(info.value) == (
+        f"onnxruntime-qnn==2.5.0 lacks {package / missing}: reinstall with "
+        "pip install --force-reinstall onnxruntime-qnn==2.5.0, or set QNN_SDK_ROOT to a QAIRT SDK."
+    )
+
+
+def test_aarch64_wheel_without_htp_skels(tmp_path):
+    skels = tuple(f"libQnnHtpV{arch}Skel.so" for arch in (68, 69, 73, 75, 79, 81))
+    package = _install_wheel(tmp_path, AARCH64_WHEEL, without=skels)
+    find, version_of = _installed({"onnxruntime_qnn": package}, {"onnxruntime-qnn": "2.5.0"})
+    with pytest.raises(QnnSdkError, match=r"onnxruntime-qnn==2\.5\.0 lacks the Hexagon skel libraries") as info:
+        registry_libraries("aarch64", "Linux", find_package=find, version_of=version_of)
+    assert "pip install --force-reinstall onnxruntime-qnn==2.5.0" in str(info.value)
+
+
+def test_skels_of_a_qairt_sdk_layout(tmp_path):
+    for arch in (73, 75):
+        _make_libs(tmp_path / "lib" / f"hexagon-v{arch}" / "unsigned", names=(f"libQnnHtpV{arch}Skel.so",))
+    _make_libs(tmp_path / "lib" / "hexagon-v66" / "unsigned", names=("libCalculator_skel.so",))  # no HTP skel
+    assert find_skel_dirs(tmp_path / "lib") == {
+        73: tmp_path / "lib" / "hexagon-v73" / "unsigned", 75: tmp_path / "lib" / "hexagon-v75" / "unsigned"
+    }
+
+
 def test_adsp_library_path_puts_the_skel_folders_first():
-    skels = [Path("/site/qnnruntime/.libs/hexagon-v73/unsigned"), Path("/site/qnnruntime/.libs/hexagon-v75/unsigned")]
-    ours = "/site/qnnruntime/.libs/hexagon-v73/unsigned;/site/qnnruntime/.libs/hexagon-v75/unsigned"
+    skels = [Path("/opt/qairt/lib/hexagon-v73/unsigned"), Path("/opt/qairt/lib/hexagon-v75/unsigned")]
+    ours = "/opt/qairt/lib/hexagon-v73/unsigned;/opt/qairt/lib/hexagon-v75/unsigned"
     assert adsp_library_path(None, skels) == ours
     assert adsp_library_path("", skels) == ours
     # The user's entries follow, in their order, without empties or repeats (a second set-up adds nothing).
@@ -254,7 +252,7 @@ def test_adsp_library_path_puts_the_skel_folders_first():
     assert mixed == f"{ours};/vendor/dsp/cdsp;/usr/lib/rfsa/adsp"
     again = adsp_library_path(f"{ours};/vendor/dsp/cdsp", skels)
     assert again == f"{ours};/vendor/dsp/cdsp" and adsp_library_path(again, skels) == again
-    assert adsp_library_path("/dsp;/site/qnnruntime/.libs/hexagon-v75/unsigned", skels) == f"{ours};/dsp"
+    assert adsp_library_path("/dsp;/opt/qairt/lib/hexagon-v75/unsigned", skels) == f"{ours};/dsp"
 
 
 def test_qairt_major_minor():
@@ -268,17 +266,27 @@ def test_qairt_major_minor():
 
 def test_newer_artifact_refused_by_older_runtime():
     with pytest.raises(QnnSdkError) as info:
-        check_runtime_can_load("v2.49.40.260810104044", "v2.48.0.250915123456", runtime_source="qnnruntime==2.48.0.2")
+        check_runtime_can_load("v2.49.40.260810104044", "v2.48.0.250915123456", runtime_source="QNN_SDK_ROOT")
     assert isinstance(info.value, OptimumQnnError)
     assert str(info.value) == (
         "This model was compiled with QAIRT 2.49 (v2.49.40.260810104044) but the QNN runtime here is QAIRT 2.48 "
-        "(v2.48.0.250915123456, from qnnruntime==2.48.0.2); QNN context binaries load only on the QAIRT version "
-        "that compiled them or a newer one. Fix: use QNN libraries of QAIRT 2.49 or newer (pip install "
-        "'qnnruntime>=2.49' on an aarch64 device, or set QNN_SDK_ROOT to a QAIRT 2.49+ SDK), or re-export the "
-        "model with QAIRT 2.48 (QNN_SDK_ROOT pointing at that SDK during the export)."
+        "(v2.48.0.250915123456, from QNN_SDK_ROOT); QNN context binaries load only on the QAIRT version "
+        "that compiled them or a newer one. Fix: pip install onnxruntime-qnn==2.5.0 (QAIRT 2.49.40; wheels for "
+        "x86_64 Linux, aarch64 Linux and Windows on Snapdragon), or set QNN_SDK_ROOT to a QAIRT 2.49+ SDK; or "
+        "re-export the model with QAIRT 2.48 (QNN_SDK_ROOT pointing at that SDK during the export)."
     )
+    # The package named is the one whose registry wheels' layouts the tests above use.
+    for listing in (AARCH64_WHEEL, WIN_ARM64_WHEEL):
+        assert listing.startswith("onnxruntime_qnn-2.5.0-")
     with pytest.raises(QnnSdkError, match=r"compiled with QAIRT 2\.10 .* QNN runtime here is QAIRT 2\.9 \(v2\.9\.1\)"):
         check_runtime_can_load("v2.10.0", "v2.9.1")  # compared as numbers, not strings
+
+
+def test_artifact_newer_than_any_registry_package():
+    with pytest.raises(QnnSdkError) as info:
+        check_runtime_can_load("v2.51.0.261001000000", "v2.49.40.260810104044", runtime_source="onnxruntime-qnn==2.5.0")
+    assert "Fix: set QNN_SDK_ROOT to a QAIRT 2.51+ SDK (no registry package carries it: onnxruntime-qnn==2.5.0 has " \
+        "QAIRT 2.49.40); or re-export the model with QAIRT 2.49" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -313,7 +321,7 @@ def test_supported_socs_match_executorch_chipsets():
 
 
 def test_registry_libraries_set_up(qnn_sdk):
-    from optimum_qnn.sdk import _find_ort_qnn_dir, ensure_qnn_sdk
+    from optimum_qnn.sdk.loading import _find_ort_qnn_dir, ensure_qnn_sdk
 
     assert ensure_qnn_sdk() is qnn_sdk  # cached
     assert qnn_sdk.build_id.startswith(BUILD_ID_PREFIX)
@@ -327,7 +335,7 @@ def test_registry_libraries_set_up(qnn_sdk):
 
 
 def test_cache_link_is_created_and_repointed(tmp_path, monkeypatch):
-    from optimum_qnn.sdk import _link_cache_root
+    from optimum_qnn.sdk.loading import _link_cache_root
 
     monkeypatch.setenv("OPTIMUM_QNN_CACHE", str(tmp_path / "cache"))
     old, new = tmp_path / "old_venv", tmp_path / "new_venv"
@@ -340,54 +348,80 @@ def test_cache_link_is_created_and_repointed(tmp_path, monkeypatch):
 
 
 def test_cache_link_for_the_aarch64_host_folder(tmp_path, monkeypatch):
-    from optimum_qnn.sdk import _link_cache_root
+    from optimum_qnn.sdk.loading import _link_cache_root
 
     monkeypatch.setenv("OPTIMUM_QNN_CACHE", str(tmp_path / "cache"))
-    package = _qnnruntime_package(tmp_path / "site")
-    find, version_of = _installed({"qnnruntime": package}, {"qnnruntime": QNNRUNTIME_VERSION})
+    package = _install_wheel(tmp_path / "site", AARCH64_WHEEL)
+    find, version_of = _installed({"onnxruntime_qnn": package}, {"onnxruntime-qnn": "2.5.0"})
     libs = registry_libraries("aarch64", "Linux", find_package=find, version_of=version_of)
     root = _link_cache_root(libs.lib_source, libs.cache_name, libs.host_dir)
     link = root / "lib" / "aarch64-oe-linux-gcc11.2"
-    assert root == tmp_path / "cache" / "qnn-sdk" / "qnnruntime-2.48.0.2"
-    assert link.is_symlink() and link.resolve() == package / ".libs"
+    assert root == tmp_path / "cache" / "qnn-sdk" / "2.5.0"
+    assert link.is_symlink() and link.resolve() == package
     assert _link_cache_root(libs.lib_source, libs.cache_name, libs.host_dir) == root  # idempotent
     assert [p.name for p in link.parent.iterdir()] == ["aarch64-oe-linux-gcc11.2"]
     # The root is a valid QAIRT layout for an aarch64 host (what a child process inheriting it checks).
     assert find_host_lib_dir(root, machine="aarch64", system="Linux") == link
-    assert (link / "hexagon-v75" / "unsigned" / "libQnnHtpV75Skel.so").is_file()
+    assert (link / "libQnnHtpV75Skel.so").is_file()
 
 
-def test_set_up_on_an_aarch64_host(tmp_path, monkeypatch):
-    """`_set_up` wired to qnnruntime on a faked aarch64 host (the libraries are empty files: loading is faked)."""
-    from optimum_qnn import sdk
+def _fake_host(monkeypatch, tmp_path, machine: str, system: str, package: Path) -> list:
+    """Point the set-up at a faked host and installation (empty library files: loading is recorded, not done)."""
+    from optimum_qnn.sdk import finding, loading
 
-    package = _qnnruntime_package(tmp_path / "site")
-    monkeypatch.setattr(sdk.platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(sdk.platform, "system", lambda: "Linux")
-    monkeypatch.setattr(sdk, "_find_package_dir", {"qnnruntime": package}.get)
-    monkeypatch.setattr(sdk.importlib.metadata, "version", {"qnnruntime": QNNRUNTIME_VERSION}.__getitem__)
+    monkeypatch.setattr(loading.platform, "machine", lambda: machine)
+    monkeypatch.setattr(loading.platform, "system", lambda: system)
+    for module in (finding, loading):
+        monkeypatch.setattr(module, "find_package_dir", {"onnxruntime_qnn": package}.get)
+    monkeypatch.setattr(finding.importlib.metadata, "version", {"onnxruntime-qnn": "2.5.0"}.__getitem__)
     loaded = []
-    monkeypatch.setattr(sdk, "_load_globally", loaded.append)
-    monkeypatch.setattr(sdk, "read_build_id", lambda library: "v2.48.0.250915123456")
+    monkeypatch.setattr(loading, "_load_globally", lambda lib_dir, host: loaded.append((lib_dir, host.libraries)))
+    monkeypatch.setattr(loading, "read_build_id", lambda library: "v2.49.40.260810104044")
     monkeypatch.setenv("OPTIMUM_QNN_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     monkeypatch.setenv("ADSP_LIBRARY_PATH", "/vendor/dsp/cdsp")
     monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    return loaded
 
-    found = sdk._set_up()
-    root = tmp_path / "cache" / "qnn-sdk" / "qnnruntime-2.48.0.2"
+
+def test_set_up_on_an_aarch64_linux_host(tmp_path, monkeypatch):
+    from optimum_qnn.sdk import loading
+
+    package = _install_wheel(tmp_path / "site", AARCH64_WHEEL)
+    loaded = _fake_host(monkeypatch, tmp_path, "aarch64", "Linux", package)
+
+    found = loading._set_up()
+    root = tmp_path / "cache" / "qnn-sdk" / "2.5.0"
     lib_dir = root / "lib" / "aarch64-oe-linux-gcc11.2"
     assert (found.root, found.lib_dir, found.htp_library) == (root, lib_dir, lib_dir / "libQnnHtp.so")
-    assert found.source == "qnnruntime==2.48.0.2" and found.build_id == "v2.48.0.250915123456"
+    assert found.source == "onnxruntime-qnn==2.5.0" and found.qairt_version == "2.49.40"
     assert os.environ["QNN_SDK_ROOT"] == str(root)
-    assert loaded == [lib_dir]
-    skels = [str((package / ".libs" / f"hexagon-v{arch}" / "unsigned").resolve()) for arch in QNNRUNTIME_SKEL_ARCHS]
-    assert os.environ["ADSP_LIBRARY_PATH"] == ";".join([*skels, "/vendor/dsp/cdsp"])
+    assert loaded == [(lib_dir, ("libQnnHtp.so", "libQnnSystem.so"))]
+    # FastRPC finds every skel in the package folder, put before the vendor's (older) skels; listed once.
+    assert os.environ["ADSP_LIBRARY_PATH"] == f"{package.resolve()};/vendor/dsp/cdsp"
     assert os.environ["LD_LIBRARY_PATH"] == str(lib_dir)
+    assert set(found.skel_dirs) == {68, 69, 73, 75, 79, 81}
 
-    # A child process inheriting QNN_SDK_ROOT (and ADSP_LIBRARY_PATH) still reports qnnruntime, unchanged.
-    again = sdk._set_up()
-    assert again == found and os.environ["ADSP_LIBRARY_PATH"] == ";".join([*skels, "/vendor/dsp/cdsp"])
+    # A child process inheriting QNN_SDK_ROOT (and ADSP_LIBRARY_PATH) still reports the registry package, unchanged.
+    again = loading._set_up()
+    assert again == found and os.environ["ADSP_LIBRARY_PATH"] == f"{package.resolve()};/vendor/dsp/cdsp"
+
+
+def test_set_up_on_windows_on_snapdragon(tmp_path, monkeypatch):
+    from optimum_qnn.sdk import loading
+
+    package = _install_wheel(tmp_path / "site", WIN_ARM64_WHEEL)
+    loaded = _fake_host(monkeypatch, tmp_path, "ARM64", "Windows", package)
+    dll_dirs = []
+    monkeypatch.setattr(loading.os, "add_dll_directory", dll_dirs.append, raising=False)
+
+    found = loading._set_up()
+    # No cache link and no QNN_SDK_ROOT: the package folder itself, added to the DLL search path.
+    assert (found.root, found.lib_dir, found.htp_library) == (package, package, package / "QnnHtp.dll")
+    assert dll_dirs == [str(package)] and loaded == [(package, ("QnnHtp.dll", "QnnSystem.dll"))]
+    assert "QNN_SDK_ROOT" not in os.environ and not (tmp_path / "cache").exists()
+    assert os.environ["ADSP_LIBRARY_PATH"] == "/vendor/dsp/cdsp"  # Windows does not read it: left alone
+    assert found.skel_dirs == {68: package, 73: package, 81: package}
 
 
 def test_model_compiled_with_a_newer_qairt_is_refused_before_loading(qnn_sdk, tmp_path, monkeypatch):
@@ -451,26 +485,3 @@ def test_inherited_root_of_registry_libraries_keeps_its_label(run_python, qnn_sd
     result = run_python("-c", _PRINT_SDK, env={"QNN_SDK_ROOT": str(qnn_sdk.root)})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["source"] == qnn_sdk.source
-
-
-def test_doctor_reports_build_id_and_source(run_python, tmp_path):
-    cache = tmp_path / "cache"
-    result = run_python("-m", "optimum_qnn", "doctor", env={"OPTIMUM_QNN_CACHE": str(cache)})
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert f"build id      {BUILD_ID_PREFIX}." in out
-    assert "source        onnxruntime-qnn==2.5.0" in out
-    assert f"QNN_SDK_ROOT  {cache / 'qnn-sdk' / '2.5.0'}" in out
-    assert "onnxruntime_qnn" in out  # the libraries' real folder
-    for soc in Soc:
-        assert f"{soc.value}  HTP v{soc.htp_arch}" in out
-    assert (cache / "qnn-sdk" / "2.5.0" / "lib" / "x86_64-linux-clang" / "libQnnHtp.so").is_file()
-
-
-def test_doctor_refuses_a_wrong_sdk_folder(run_python, tmp_path):
-    (tmp_path / "lib").mkdir()
-    result = run_python("-m", "optimum_qnn", "doctor", env={"QNN_SDK_ROOT": str(tmp_path)})
-    assert result.returncode == 1
-    assert "QNN libraries: NOT USABLE" in result.stderr
-    assert f"QNN_SDK_ROOT={tmp_path} does not look like a QAIRT SDK" in result.stderr
-    assert f"expected {tmp_path}/lib/x86_64-linux-clang/{{libQnnHtp.so,libQnnSystem.so}}" in result.stderr

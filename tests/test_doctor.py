@@ -1,0 +1,133 @@
+"""`python -m optimum_qnn doctor [PATH]` and the ExecuTorch QNN-backend check it shares with the runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from optimum_qnn.config import Soc
+from optimum_qnn.sdk.backend import (
+    EXECUTORCH_QNN_BUILD,
+    QnnBackendMissingError,
+    qnn_backend_fix,
+    qnn_backend_missing_message,
+)
+from tests.test_manifest import sample
+
+BUILD_ID_PREFIX = "v2.49.40"
+
+# Runs `doctor` in a fresh process whose ExecuTorch lists every registered backend but QnnBackend: the listing
+# function of executorch's pybindings is wrapped, the libraries are the real ones.
+_DOCTOR_WITHOUT_QNN_BACKEND = (
+    "import sys\n"
+    "from executorch.extension.pybindings import portable_lib\n"
+    "real = portable_lib._get_registered_backend_names\n"
+    "portable_lib._get_registered_backend_names = lambda: [b for b in real() if b != 'QnnBackend']\n"
+    "from optimum_qnn.__main__ import main\n"
+    "sys.exit(main(['doctor', *sys.argv[1:]]))\n"
+)
+
+
+@pytest.fixture
+def artifacts(tmp_path):
+    """Three variant folders (manifests only): the phone build, the emulator build, one from a newer QAIRT."""
+    base = sample()
+    for name, shared, build_id in [
+        ("qnn/sm8650/16a8w-ctx64", True, "v2.49.40.260810104044"),
+        ("emulator/qnn/sm8650/16a8w-ctx64", False, "v2.49.40.260810104044"),
+        ("newer/qnn/sm8650/16a8w-ctx64", False, "v2.50.0.261101000000"),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir(parents=True)
+        dataclasses.replace(
+            base, contract=dataclasses.replace(base.contract, weight_sharing=shared),
+            versions=dataclasses.replace(base.versions, qairt_build_id=build_id),
+        ).write(folder)
+    return tmp_path
+
+
+def test_fix_for_each_host():
+    assert qnn_backend_fix("x86_64", "Linux") == (
+        "reinstall the registry's wheel, which has it: pip install --force-reinstall --no-deps executorch==1.5.1"
+    )
+    for machine, system in (("aarch64", "Linux"), ("ARM64", "Windows")):
+        fix = qnn_backend_fix(machine, system)
+        assert fix.startswith(f"the registry's executorch 1.5.1 for {machine} {system} is built without the QNN backend")
+        assert fix.endswith(EXECUTORCH_QNN_BUILD)
+    # The documented source build (ExecuTorch's "Building from Source": CMAKE_ARGS + install_executorch.sh).
+    assert 'CMAKE_ARGS="-DEXECUTORCH_BUILD_QNN=ON -DQNN_SDK_ROOT=' in EXECUTORCH_QNN_BUILD
+    assert EXECUTORCH_QNN_BUILD.endswith("./install_executorch.sh") and "-b v1.5.1" in EXECUTORCH_QNN_BUILD
+    assert qnn_backend_missing_message(["XnnpackBackend", "OpenvinoBackend"], "aarch64", "Linux") == (
+        "ExecuTorch's runtime in this Python has no QNN backend (registered backends: XnnpackBackend, OpenvinoBackend), "
+        f"so it cannot run a QNN .pte. Fix: {qnn_backend_fix('aarch64', 'Linux')}"
+    )
+
+
+def test_doctor_reports_libraries_backend_and_runnable_artifacts(run_python, artifacts, tmp_path):
+    cache = tmp_path / "cache"
+    result = run_python("-m", "optimum_qnn", "doctor", str(artifacts), env={"OPTIMUM_QNN_CACHE": str(cache)})
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"build id      {BUILD_ID_PREFIX}." in out
+    assert "source        onnxruntime-qnn==2.5.0" in out
+    assert f"QNN_SDK_ROOT  {cache / 'qnn-sdk' / '2.5.0'}" in out
+    assert "onnxruntime_qnn" in out  # the libraries' real folder
+    assert "QNN backend  registered" in out and "QnnBackend" in out
+    for soc in Soc:
+        assert f"{soc.value}  HTP v{soc.htp_arch}" in out
+    assert (cache / "qnn-sdk" / "2.5.0" / "lib" / "x86_64-linux-clang" / "libQnnHtp.so").is_file()
+    # This x86 host runs only the non-shared build of the QAIRT it has.
+    assert f"Artifacts under {artifacts}: 1 of 3 can run here" in out
+    section = out.split(f"Artifacts under {artifacts}: ")[1].splitlines()[1:]
+    verdict = {section[i].strip().split(" (")[0]: section[i + 1].strip() for i in range(0, len(section), 2)}
+    assert verdict["emulator/qnn/sm8650/16a8w-ctx64"] == "yes: on the x86 HTP emulator"
+    assert verdict["qnn/sm8650/16a8w-ctx64"].startswith("no: weight-shared: the x86 HTP emulator cannot load it")
+    assert verdict["newer/qnn/sm8650/16a8w-ctx64"].startswith(
+        "no: This model was compiled with QAIRT 2.50 (v2.50.0.261101000000) but the QNN runtime here is QAIRT 2.49"
+    )
+    assert "set QNN_SDK_ROOT to a QAIRT 2.50+ SDK" in verdict["newer/qnn/sm8650/16a8w-ctx64"]
+
+
+def test_doctor_without_the_qnn_backend_prints_the_fix(run_python, artifacts):
+    result = run_python("-c", _DOCTOR_WITHOUT_QNN_BACKEND, str(artifacts))
+    assert result.returncode == 1, result.stdout + result.stderr
+    print(result.stdout, result.stderr)
+    assert "QNN backend  MISSING" in result.stdout
+    assert f"Artifacts under {artifacts}: 0 of 3 can run here" in result.stdout
+    assert result.stdout.count("no: this ExecuTorch has no QNN backend (the fix is below)") == 3
+    assert "QNN backend: MISSING" in result.stderr
+    assert "ExecuTorch's runtime in this Python has no QNN backend (registered backends: " in result.stderr
+    assert f"Fix: {qnn_backend_fix('x86_64', 'Linux')}" in result.stderr
+
+
+def test_doctor_refuses_a_wrong_sdk_folder(run_python, tmp_path):
+    (tmp_path / "lib").mkdir()
+    result = run_python("-m", "optimum_qnn", "doctor", env={"QNN_SDK_ROOT": str(tmp_path)})
+    assert result.returncode == 1
+    assert "QNN libraries: NOT USABLE" in result.stderr
+    assert f"QNN_SDK_ROOT={tmp_path} does not look like a QAIRT SDK" in result.stderr
+    assert f"expected {tmp_path}/lib/x86_64-linux-clang/{{libQnnHtp.so,libQnnSystem.so}}" in result.stderr
+
+
+def test_model_loading_refuses_an_executorch_without_qnn(qnn_sdk, tmp_path, monkeypatch):
+    from executorch.extension.pybindings import portable_lib
+    from executorch.runtime import Runtime
+
+    from optimum_qnn.modeling import _load_program
+
+    def load_attempted():
+        raise AssertionError("the program was loaded by an ExecuTorch without QNN")
+
+    monkeypatch.setattr(Runtime, "get", load_attempted)
+    monkeypatch.setattr(portable_lib, "_get_registered_backend_names", lambda: ["XnnpackBackend"])
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(b"\0" * 4 + b"ET12" + b"eh00" + b"\0" * 28)  # a header that passes check_pte_structure
+    manifest = SimpleNamespace(
+        contract=SimpleNamespace(weight_sharing=False, shards=1),
+        versions=SimpleNamespace(qairt_build_id=qnn_sdk.build_id),
+    )
+    with pytest.raises(QnnBackendMissingError) as info:
+        _load_program(pte, manifest)
+    assert str(info.value) == qnn_backend_missing_message(["XnnpackBackend"], "x86_64", "Linux")
