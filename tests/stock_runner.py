@@ -140,7 +140,7 @@ class StockRunnerHost:
         # The prompt processor advances by whole AR blocks; a partial last block leaves n_past at the prompt length.
         n_past = len(prompt)
         first_logits = outputs[0].reshape(ar, -1)[(len(prompt) + ar - 1) % ar].clone()
-        token = int(first_logits.argmax())
+        token = _argmax(first_logits)
         new = [token]
         self._rearrange(1)
         mask, window_mask = self._init_mask(1, n_past, None), self._init_mask(1, n_past, self.window)
@@ -150,9 +150,14 @@ class StockRunnerHost:
             self._update_mask(mask, n_past, 1, None)
             self._update_mask(window_mask, n_past, 1, self.window)
             n_past += 1
-            token = int(outputs[0].reshape(-1).argmax())
+            token = _argmax(outputs[0].reshape(-1))
             new.append(token)
         return new, first_logits
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """Argmax on the raw values, as the runner takes it (uint16 has no argmax kernel in torch: widen it first)."""
+    return int((logits if logits.is_floating_point() else logits.to(torch.int64)).argmax())
 
 
 def _memmove_rows(buf: torch.Tensor, rows: int, src: int, dst: int, width: int) -> None:
