@@ -41,13 +41,13 @@ class CalibrationSource:
 
     def __post_init__(self) -> None:
         if self.file is not None and self.dataset is not None:
-            raise ValueError("Pass either a calibration file or a calibration dataset, not both")
-        if self.limit <= 0:
-            raise ValueError(f"Calibration limit must be positive; got {self.limit}")
+            raise InvalidInputError("Pass either a calibration file or a calibration dataset, not both")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit <= 0:
+            raise InvalidInputError(f"--calib-limit must be a positive integer; got {self.limit!r}")
 
     def texts(self) -> list[str]:
         if self.file is not None:
-            texts = read_text_file(Path(self.file))
+            texts = read_text_file(Path(self.file), "Calibration")
         elif self.dataset is not None:
             texts = _dataset_texts(self.dataset, self.split)
         else:
@@ -58,22 +58,41 @@ class CalibrationSource:
         return texts
 
 
-def read_text_file(path: Path) -> list[str]:
-    """Samples of a ``.jsonl`` file (``text`` field) or of a plain text file (paragraphs)."""
+def read_text_file(path: Path, what: str = "Text") -> list[str]:
+    """Samples of a ``.jsonl`` file (``text`` field, a string) or of a plain text file (paragraphs)."""
+    path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"Calibration file {path} does not exist")
-    raw = path.read_text(encoding="utf-8")
+        raise InvalidInputError(f"{what} file {path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInputError(f"{what} file {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a text or JSONL file") from None
+    except OSError as e:
+        raise InvalidInputError(f"Cannot read {what.lower()} file {path}: {e.strerror or e}") from None
     if path.suffix == ".jsonl":
         texts = []
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                texts.append(str(json.loads(line)["text"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError, IndexError):
                 raise InvalidInputError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
+            if not isinstance(text, str):
+                raise InvalidInputError(
+                    f"{path}:{n}: the 'text' field is {type(text).__name__} {text!r:.40}, not a string; fix that line"
+                )
+            texts.append(text)
         return texts
     return [p.strip() for p in raw.split("\n\n") if p.strip()]
+
+
+def check_text_file(path: Path, what: str) -> list[str]:
+    """Read ``path`` as `read_text_file` does and refuse it when it holds no text (before any long work)."""
+    texts = [t for t in read_text_file(Path(path), what) if t.strip()]
+    if not texts:
+        raise InvalidInputError(f"{what} file {path} holds no text")
+    return texts
 
 
 def _dataset_texts(name: str, split: str) -> list[str]:
@@ -81,9 +100,20 @@ def _dataset_texts(name: str, split: str) -> list[str]:
         import datasets
     except ImportError:
         raise InvalidInputError("--calib-dataset needs the `datasets` package: pip install datasets") from None
-    ds = datasets.load_dataset(name, split=split)
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError for a split)
+        raise InvalidInputError(
+            f"Cannot load calibration dataset {name!r} split {split!r} ({type(e).__name__}: {str(e)[:300]}); check the "
+            "name, --calib-split, or pass a local --calib-file"
+        ) from None
+    if not ds.column_names:
+        raise InvalidInputError(f"Calibration dataset {name!r} has no columns")
     column = "text" if "text" in ds.column_names else ds.column_names[0]
-    return [str(t) for t in ds[column]]
+    texts = [t for t in ds[column] if isinstance(t, str)]
+    if not texts:
+        raise InvalidInputError(f"Column {column!r} of calibration dataset {name!r} holds no strings; it needs a 'text' column")
+    return texts
 
 
 def token_sequences(tokenizer, texts: Iterable[str], max_len: int, bos_id: int | None) -> list[list[int]]:

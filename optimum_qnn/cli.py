@@ -7,8 +7,11 @@ handlers, so `--help` is fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from optimum_qnn.config import (
@@ -20,7 +23,7 @@ from optimum_qnn.config import (
     ShapeConfig,
     Soc,
 )
-from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.errors import InvalidInputError, OptimumQnnError
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, choices=BLOCK_SIZES, help="block size of 16a4w_block (default: %(default)s)")
     opt.add_argument(
-        "--embedding-quant", default=str(_DEFAULTS.embedding_quant), metavar="BITS,GROUP",
-        help="weight-only quantization of the CPU-side embedding tables: '4,32', '8,0' (per row) or 'none' (default: %(default)s)",
+        "--embedding-quant", default=None, metavar="BITS,GROUP",
+        help="weight-only quantization of the CPU-side embedding tables: '4,32', '8,0' (per row) or 'none' (default: "
+             "none for fp16; else 4-bit in groups of 32, or of 16 or 8 when 32 does not divide the model's width)",
     )
     opt.add_argument(
         "--quant-override", action="append", default=[], metavar="REGEX=SCHEME",
@@ -88,14 +92,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ExportConfig:
-    """Map parsed arguments onto the export config (bad values raise ValueError naming the allowed ones)."""
+    """Map parsed arguments onto the export config (bad values raise InvalidInputError naming the allowed ones)."""
     return ExportConfig(
         socs=tuple(dict.fromkeys(Soc.parse(s) for s in args.soc)),
         quant=QuantScheme.parse(args.quant),
         block_size=args.block_size,
         mode=ExportMode.parse(args.mode),
         shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len),
-        embedding_quant=EmbeddingQuant.parse(args.embedding_quant),
+        embedding_quant=None if args.embedding_quant is None else EmbeddingQuant.parse(args.embedding_quant),
         weight_sharing=not args.no_weight_sharing,
         float_io=args.float_io,
         overrides=tuple(_parse_override(text) for text in args.quant_override),
@@ -106,27 +110,34 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
 def _parse_override(text: str) -> tuple[str, QuantScheme]:
     pattern, sep, scheme = text.rpartition("=")
     if not sep or not pattern:
-        raise ValueError(f"Cannot parse --quant-override {text!r}; expected REGEX=SCHEME such as 'lm_head=16a8w'")
+        raise InvalidInputError(f"Cannot parse --quant-override {text!r}; expected REGEX=SCHEME such as 'lm_head=16a8w'")
     return pattern, QuantScheme.parse(scheme)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.verbose)
     try:
         config = config_from_args(args)
+        if args.push_to_hub is not None:
+            _check_repo_id(args.push_to_hub)
         from optimum_qnn.calibration import CalibrationSource
-        from optimum_qnn.export import export
 
         calibration = CalibrationSource(
             file=args.calib_file, dataset=args.calib_dataset, split=args.calib_split, limit=args.calib_limit
         )
-        result = export(
-            args.model, args.output, config, revision=args.revision, calibration=calibration,
-            allow_pickle=args.allow_pickle, evaluate=args.evaluate, evaluate_tokens=args.evaluate_tokens,
-        )
-    except (OptimumQnnError, ValueError) as e:
+        with third_party_quiet(args.verbose):
+            from optimum_qnn.export import export
+
+            result = export(
+                args.model, args.output, config, revision=args.revision, calibration=calibration,
+                allow_pickle=args.allow_pickle, evaluate=args.evaluate, evaluate_tokens=args.evaluate_tokens,
+            )
+    except OptimumQnnError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
     print("\nSwapped modules:\n" + result.swap_summary)
     if result.quant_rows:
         from optimum_qnn.quantization import format_quant_summary
@@ -148,3 +159,116 @@ def run_export(args: argparse.Namespace) -> int:
         for commit, url in zip(plan.commits, plan.commit_urls):
             print(f"pushed {commit.variant or 'root files + README.md'}: {url}")
     return 0
+
+
+def _check_repo_id(repo_id: str) -> None:
+    """A --push-to-hub id that the Hub would refuse fails now, not after an hour of export."""
+    from optimum_qnn.hub import _REPO_ID
+
+    if not _REPO_ID.match(repo_id) or len(repo_id) > 96 or ".." in repo_id or "--" in repo_id:
+        raise InvalidInputError(
+            f"--push-to-hub {repo_id!r} is not a Hub repo id; expected 'user/name' (letters, digits, '-', '_', '.')"
+        )
+
+
+class _ConsoleFilter(logging.Filter):
+    """Without -v the console shows this project's records (warnings, and one line per finished stage) and only
+    errors of the libraries under it: their deprecation notices and load-time warnings are not the user's to fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("optimum_qnn") or record.levelno >= logging.ERROR
+
+
+class _ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "optimum_qnn.stages":
+            return record.getMessage()
+        return f"{record.levelname} {record.name}: {record.getMessage()}" + (
+            "\n" + self.formatException(record.exc_info) if record.exc_info else ""
+        )
+
+
+def _configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_ConsoleFormatter())
+    if not verbose:
+        handler.addFilter(_ConsoleFilter())
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_optimum_qnn", False)]:
+        root.removeHandler(old)
+    handler._optimum_qnn = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("optimum_qnn.stages").setLevel(logging.INFO)
+
+
+# Loggers that print through their own handlers (not the root's), so the console filter never sees them.
+# torch.utils._pytree: "register_constant() on Enum subclasses is deprecated", logged when torchao is imported.
+_OWN_HANDLER_LOGGERS = ("torch",)
+
+
+@contextlib.contextmanager
+def third_party_quiet(verbose: bool) -> Iterator[None]:
+    """Hide what the libraries under the exporter print while it runs, unless ``verbose``.
+
+    - Python warnings (FutureWarning/DeprecationWarning from torch, executorch, torchao) are ignored, except this
+      project's own;
+    - loggers with their own handlers (torch's) are held at ERROR;
+    - the process's stdout and stderr, at the file-descriptor level, go to a temporary file: ExecuTorch's quantizer
+      `print`s "No quant config is implemented for op ...", the QNN libraries print from C++ ("# LIBNATIVE: ...",
+      and the runtime's "[INFO] [Qnn ExecuTorch]: ..." lines when --evaluate runs the .pte). Python's
+      ``sys.stderr`` (the console log handler, progress bars) is pointed at a copy of the real stderr meanwhile, so
+      the project's own output still shows. If the export fails with anything but this project's errors, the
+      captured tail is echoed for the bug report.
+    """
+    if verbose:
+        yield
+        return
+    import gc
+    import tempfile
+    import warnings
+
+    import torch  # noqa: F401  (torch configures its loggers on import; hold them after that)
+
+    levels = {name: logging.getLogger(name).level for name in _OWN_HANDLER_LOGGERS}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    python_stderr = sys.stderr
+    handlers = [h for h in logging.getLogger().handlers if getattr(h, "stream", None) is python_stderr]
+    with tempfile.TemporaryFile(mode="w+b") as sink, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("default", module=r"optimum_qnn(\.|$)")
+        for name in levels:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        sys.stderr = console
+        for handler in handlers:
+            handler.setStream(console)
+        try:
+            yield
+        except (OptimumQnnError, KeyboardInterrupt):
+            raise
+        except BaseException:
+            sys.stdout.flush()
+            sink.seek(0)
+            tail = sink.read()[-5000:].decode(errors="replace")
+            if tail.strip():
+                console.write(f"(output of the libraries before the failure:)\n{tail}\n")
+            raise
+        finally:
+            gc.collect()  # what the libraries print when their objects are freed (QNN contexts) goes to the sink too
+            sys.stdout.flush()
+            console.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sys.stderr = python_stderr
+            for handler in handlers:
+                handler.setStream(python_stderr)
+            console.close()
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)

@@ -6,7 +6,11 @@ Everything here is plain Python (no torch import) so the CLI and the runtime can
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass, field
+
+from optimum_qnn.errors import InvalidInputError
 
 
 def _choices(enum_cls: type[enum.Enum]) -> str:
@@ -19,7 +23,7 @@ def _parse_enum(enum_cls: type[enum.Enum], value: object, what: str):
     for member in enum_cls:
         if str(value).lower() == member.value.lower():
             return member
-    raise ValueError(f"Unknown {what} {value!r}; expected one of: {_choices(enum_cls)}")
+    raise InvalidInputError(f"Unknown {what} {value!r}; expected one of: {_choices(enum_cls)}")
 
 
 class Soc(enum.Enum):
@@ -95,17 +99,21 @@ BLOCK_SIZES = (32, 64)
 class EmbeddingQuant:
     """Weight-only quantization of the CPU-side embedding tables (`bits,group`, e.g. `4,32`).
 
-    `bits=0` keeps the tables in floating point.
+    `bits=0` keeps the tables in floating point; `group_size=0` is one group per row.
     """
 
     bits: int = 4
     group_size: int = 32
 
     def __post_init__(self) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.bits, self.group_size)):
+            raise InvalidInputError(f"Embedding quantization bits and group size must be integers; got {self.bits!r}, {self.group_size!r}")
         if self.bits not in (0, 4, 8):
-            raise ValueError(f"Embedding quantization bits must be one of 0, 4, 8; got {self.bits}")
+            raise InvalidInputError(f"Embedding quantization bits must be one of 0, 4, 8; got {self.bits}")
         if self.group_size < 0:
-            raise ValueError(f"Embedding quantization group size must be >= 0 (0: one group per row); got {self.group_size}")
+            raise InvalidInputError(
+                f"Embedding quantization group size must be >= 0 (0: one group per row); got {self.group_size}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> "EmbeddingQuant":
@@ -115,11 +123,48 @@ class EmbeddingQuant:
             return cls(bits=0, group_size=0)
         parts = text.split(",")
         try:
+            if len(parts) > 2:
+                raise ValueError
             bits = int(parts[0])
             group = int(parts[1]) if len(parts) > 1 else 0
         except ValueError:
-            raise ValueError(f"Cannot parse embedding quantization {text!r}; expected 'BITS,GROUP' such as '4,32'") from None
+            raise InvalidInputError(
+                f"Cannot parse embedding quantization {text!r}; expected 'BITS,GROUP' such as '4,32', 'BITS' (one "
+                "group per row) or 'none'"
+            ) from None
         return cls(bits=bits, group_size=group)
+
+    @classmethod
+    def default_for(cls, quant: "QuantScheme", widths: tuple[int, ...]) -> "EmbeddingQuant":
+        """The tables' quantization when the user chose none: float for an fp16 export; else 4-bit in groups of 32,
+        16 or 8 when 32 does not divide every table width (48 is a valid Gemma4 width), else one group per row;
+        8-bit per row when 4-bit cannot pack a width (odd)."""
+        if not quant.is_quantized:
+            return cls(0, 0)
+        if any(w % 2 for w in widths):
+            return cls(8, 0)
+        common = math.gcd(*widths)
+        # Groups smaller than 8 would spend more bytes on scales than on weights: one group per row instead.
+        return cls(4, next((g for g in (32, 16, 8) if common % g == 0), 0))
+
+    def check_widths(self, widths: tuple[int, ...]) -> None:
+        """Refuse, before the model loads, a chosen quantization that cannot split a table of these widths."""
+        if not self.bits:
+            return
+        for width in widths:
+            if self.group_size and width % self.group_size:
+                fits = [g for g in (16, 32, 64, 128, 256) if all(w % g == 0 for w in widths)]
+                raise InvalidInputError(
+                    f"--embedding-quant {self}: an embedding table of this model is {width} wide, not a multiple of "
+                    f"the group size {self.group_size}; choose "
+                    + (f"a group size of {' or '.join(map(str, fits))}, " if fits else "")
+                    + f"'{self.bits},0' (one group per row), or leave --embedding-quant out to let the exporter choose"
+                )
+            if self.bits == 4 and width % 2:
+                raise InvalidInputError(
+                    f"--embedding-quant {self}: 4-bit tables pack two values per byte and a table of this model is "
+                    f"{width} wide (odd); use '8,0' or 'none'"
+                )
 
     def __str__(self) -> str:
         return "none" if not self.bits else f"{self.bits},{self.group_size}"
@@ -138,9 +183,17 @@ class ShapeConfig:
     prefill_ar_len: int = 128
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_seq_len, int) or not isinstance(self.prefill_ar_len, int):
+            raise InvalidInputError(
+                f"max_seq_len and prefill_ar_len must be integers; got {self.max_seq_len!r} and {self.prefill_ar_len!r}"
+            )
         if self.max_seq_len <= 0 or self.prefill_ar_len <= 0:
-            raise ValueError(
+            raise InvalidInputError(
                 f"max_seq_len and prefill_ar_len must be positive; got {self.max_seq_len} and {self.prefill_ar_len}"
+            )
+        if self.max_seq_len < 2:
+            raise InvalidInputError(
+                f"max_seq_len must be at least 2 (a cache of max_seq_len - 1 tokens plus the current one); got {self.max_seq_len}"
             )
 
 
@@ -154,7 +207,8 @@ class ExportConfig:
     block_size: int = 64
     mode: ExportMode = ExportMode.HYBRID
     shapes: ShapeConfig = field(default_factory=ShapeConfig)
-    embedding_quant: EmbeddingQuant = field(default_factory=EmbeddingQuant)
+    # None: chosen by `EmbeddingQuant.default_for` once the table widths are known (float tables for fp16).
+    embedding_quant: EmbeddingQuant | None = None
     # Hybrid graphs share one copy of the weights inside the HTP context (what a phone wants). The x86 HTP
     # emulator cannot load such a context, so artifacts meant to run on x86 turn it off.
     weight_sharing: bool = True
@@ -169,28 +223,45 @@ class ExportConfig:
     float_io: bool = False
 
     def __post_init__(self) -> None:
-        if self.shards < 1:
-            raise ValueError(f"shards must be at least 1; got {self.shards}")
+        # Wrong types from Python callers get the same clear error as wrong values from the command line.
+        for name, kind in (("socs", tuple), ("quant", QuantScheme), ("mode", ExportMode), ("shapes", ShapeConfig),
+                           ("overrides", tuple)):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidInputError(
+                    f"ExportConfig.{name} must be a {kind.__name__}; got {type(getattr(self, name)).__name__} "
+                    f"{getattr(self, name)!r}"
+                    + (" (parse strings with QuantScheme.parse / ExportMode.parse)" if kind in (QuantScheme, ExportMode) else "")
+                )
+        if not all(isinstance(s, Soc) for s in self.socs):
+            raise InvalidInputError(f"ExportConfig.socs must hold Soc members (Soc.parse('SM8650')); got {self.socs!r}")
+        if self.embedding_quant is not None and not isinstance(self.embedding_quant, EmbeddingQuant):
+            raise InvalidInputError(f"ExportConfig.embedding_quant must be an EmbeddingQuant or None; got {self.embedding_quant!r}")
+        if not isinstance(self.shards, int) or self.shards < 1:
+            raise InvalidInputError(f"shards must be at least 1; got {self.shards}")
         if not self.socs:
-            raise ValueError("At least one SoC is required; expected some of: " + _choices(Soc))
+            raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
         if self.mode is ExportMode.HYBRID and shapes.prefill_ar_len >= shapes.max_seq_len:
-            raise ValueError(
+            raise InvalidInputError(
                 f"prefill_ar_len ({shapes.prefill_ar_len}) must be smaller than max_seq_len ({shapes.max_seq_len}): "
                 "each call's tokens are appended to a cache of max_seq_len - ar_len slots"
             )
-        for pattern, scheme in self.overrides:
+        for entry in self.overrides:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise InvalidInputError(f"Each override must be a (regex, QuantScheme) pair; got {entry!r}")
+            pattern, scheme = entry
             if not isinstance(scheme, QuantScheme) or scheme is QuantScheme.FP16:
-                raise ValueError(f"Override {pattern!r}: expected a quantized scheme, got {scheme!r}")
+                raise InvalidInputError(f"Override {pattern!r}: expected a quantized scheme, got {scheme!r}")
+            _compile_override(pattern)
         if self.overrides and not self.quant.is_quantized:
-            raise ValueError("Quantization overrides need a quantized --quant scheme; fp16 has nothing to override")
+            raise InvalidInputError("Quantization overrides need a quantized --quant scheme; fp16 has nothing to override")
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
+            raise InvalidInputError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
 
     def shard_starts(self, num_layers: int) -> tuple[int, ...]:
         """The decoder layers that begin shards 2..N, the layers split as evenly as rounding allows."""
         if self.shards > num_layers:
-            raise ValueError(f"--shards {self.shards} exceeds the model's {num_layers} decoder layers")
+            raise InvalidInputError(f"--shards {self.shards} exceeds the model's {num_layers} decoder layers")
         return tuple(round(i * num_layers / self.shards) for i in range(1, self.shards))
 
     @property
@@ -199,3 +270,16 @@ class ExportConfig:
         if self.quant is QuantScheme.A16W4_BLOCK:
             return f"{self.quant.value}{self.block_size}"
         return self.quant.value
+
+
+def _compile_override(pattern: object) -> re.Pattern:
+    """An override's module-path regex, compiled; a bad one is named with the reason, before any work starts."""
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidInputError(f"An override pattern must be a non-empty regex string; got {pattern!r}")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise InvalidInputError(
+            f"--quant-override pattern {pattern!r} is not a valid regular expression ({e}); escape special characters "
+            "with a backslash, e.g. 'layers\\.0\\.' or 'lm_head'"
+        ) from None

@@ -88,10 +88,7 @@ def read_text(path: Path) -> str:
     """Plain text, or the ``text`` fields of a JSONL file."""
     from optimum_qnn.calibration import read_text_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"Evaluation text file {path} does not exist")
-    return "\n\n".join(read_text_file(path))
+    return "\n\n".join(read_text_file(Path(path), "Evaluation text"))
 
 
 def evaluate_variant(

@@ -6,9 +6,13 @@ The model is loaded, swapped, exported and calibrated once; only the lowering ru
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
+import re
 import resource
+import shutil
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -27,9 +31,19 @@ from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
+from optimum_qnn.preflight import (
+    check_arguments,
+    check_overrides_match,
+    first_missing,
+    preflight,
+    read_texts,
+    source_model_id,
+)
 from optimum_qnn.runner import KVSession
 
 logger = logging.getLogger(__name__)
+# One line per finished stage (time, memory): the CLI shows this logger without -v.
+stage_logger = logging.getLogger("optimum_qnn.stages")
 
 
 @dataclass
@@ -102,7 +116,7 @@ def _stage(result: ExportResult, name: str) -> Iterator[None]:
         if peak_rss_mb() > high_water:  # a new process peak was set during this stage (catches spikes < 50 ms)
             peak = max(peak, peak_rss_mb())
     result.stages.append(StageStats(name, seconds, peak))
-    logger.info("[%s] done in %.1f s, peak RSS %.0f MB", name, seconds, peak)
+    stage_logger.info("[%s] done in %.1f s, peak RSS %.0f MB", name, seconds, peak)
 
 
 def export(
@@ -118,6 +132,11 @@ def export(
     check_weight_sharing: bool = False,
 ) -> ExportResult:
     """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
+
+    Everything that can be checked without the model (arguments, the checkpoint's config and file headers, the
+    tokenizer, calibration and evaluation text) is checked before it loads. An export that fails leaves the output
+    folder as it found it: a folder it created is removed, staging folders are deleted; variants completed before
+    the failure (of a multi-SoC export) are kept.
 
     Args:
         model: a Hugging Face Hub id or a local checkpoint folder.
@@ -135,17 +154,37 @@ def export(
 
     Returns:
         The variant folders written and per-stage wall time / peak RSS.
+
+    Raises:
+        OptimumQnnError: for every failure a user can cause (`InvalidInputError`, `CheckpointError`, `HubError`...).
     """
+    check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens)
+    evaluate = None if evaluate is None else Path(evaluate)
+    calibration = calibration or CalibrationSource()
+    texts = read_texts(config, calibration, evaluate)
     result = ExportResult(Path(output))
-    check_output_folder(result.output)  # fail in a second, not after calibration and lowering
-    if evaluate is not None:
-        _check_can_evaluate(Path(evaluate), config)
+    created = first_missing(result.output)
+    try:
+        check_output_folder(result.output)  # fail in a second, not after calibration and lowering
+        return _export(str(model), result, config, revision, calibration, texts, allow_pickle, evaluate, evaluate_tokens)
+    except BaseException:
+        if created is not None and not result.variants:
+            shutil.rmtree(created, ignore_errors=True)  # the folders this export made, and nothing that was there
+        elif result.variants:
+            logger.warning("The export failed; the variants written before the failure are kept: %s",
+                           ", ".join(str(v) for v in result.variants))
+        raise
+
+
+def _export(model: str, result: ExportResult, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
+            texts: list[str] | None, allow_pickle: bool, evaluate: Path | None, evaluate_tokens: int) -> ExportResult:
+    output = result.output
     with _stage(result, "load"):
-        folder = resolve_model_folder(str(model), revision=revision)
+        folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
+        tokenizer, config = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate)
         # Without --evaluate the Hugging Face model never runs: its embedding tables stay in their stored dtype
         # until they are quantized, and the model is released after the swap.
         hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None)
-        tokenizer = _load_tokenizer(folder)
     shapes = config.shapes
     hybrid = config.mode is ExportMode.HYBRID
     with _stage(result, "swap"):
@@ -154,17 +193,18 @@ def export(
             quantized=config.quant.is_quantized,
         )
         result.swap_summary = static.report.table()
+        check_overrides_match(static.module, config)
         _swap_embeddings_for_cpu(static, config)
         _lm_head_in_float32(static)
         if evaluate is None:
             del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
     methods = [m.name for m in static.contract.methods]
-    shard_starts = config.shard_starts(len(static.contract.layers))  # a bad --shards fails here, before calibration
+    shard_starts = config.shard_starts(len(static.contract.layers))
     with _stage(result, "export"):
         programs = {name: static.export(name) for name in methods}
     contract, quantized_io = static.contract, None
     if config.quant.is_quantized:
-        graphs = _quantize(static, programs, config, tokenizer, calibration or CalibrationSource(), result)
+        graphs = _quantize(static, programs, config, tokenizer, texts, result)
         if not config.float_io:
             contract, quantized_io = _integer_io(static.contract, graphs)
         sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
@@ -174,22 +214,23 @@ def export(
     else:
         sources = dict(programs)
     writer = VariantWriter(
-        Path(output), source_folder=folder, model_id=str(model), revision=revision, load_report=load_report,
-        tokenizer=tokenizer, text_config=static.text_config,
+        output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
+        load_report=load_report, tokenizer=tokenizer, text_config=static.text_config,
     )
+    from optimum_qnn.hub import write_model_card
     from optimum_qnn.inspection import export_time_inspection
     from optimum_qnn.lowering import format_delegation, lower_to_pte
 
     evaluator = None
     if evaluate is not None:
-        evaluator = _evaluator(hf_model, static, tokenizer, Path(evaluate), evaluate_tokens, result)
+        evaluator = _evaluator(hf_model, static, tokenizer, evaluate, evaluate_tokens, result)
     for soc in config.socs:
         lower = functools.partial(
             lower_to_pte, sources, soc, fp16=not config.quant.is_quantized,
             constant_methods=runner_metadata(static, config, contract), skip_ops=_CPU_OPS, int64_inputs={"tokens"},
             shard_starts=shard_starts, quantized_io=quantized_io,
         )
-        with _stage(result, f"lower {soc.value}"):
+        with _stage(result, f"lower {soc.value}"), _progress(f"Lowering for {soc.value}"):
             lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1)
             result.delegation[soc.value] = format_delegation(lowered.delegation)
         with _stage(result, f"inspect {soc.value}"):
@@ -201,6 +242,7 @@ def export(
                 evaluate=evaluator, inspection=inspection,
             )
             result.variants.append(path)
+            write_model_card(output)  # the folder is complete as published: its card lists every variant
     return result
 
 
@@ -218,17 +260,65 @@ def _integer_io(contract, graphs) -> tuple[RunnerContract, dict[str, frozenset[i
     return contract.with_quantized_io(first), {name: quantized_inputs(contract.method(name)) for name in graphs}
 
 
-def _check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
-    from optimum_qnn.errors import InvalidInputError
-    from optimum_qnn.modeling import host_can_run
+class _ShardProgress(logging.Handler):
+    """Advances the lowering bar from ExecuTorch's QNN preprocessing log, "Processing Method(j): (i/N)": it
+    compiles one context (shard) after the other, each holding every method's i-th partition."""
 
-    if not text_file.is_file():
-        raise InvalidInputError(f"Evaluation text file {text_file} does not exist")
-    if not host_can_run(config.weight_sharing and config.mode is ExportMode.HYBRID):
-        raise InvalidInputError(
-            "--evaluate runs the .pte on the x86 HTP emulator, which cannot load a hybrid .pte with shared weights: "
-            "add --no-weight-sharing, or evaluate on a Snapdragon host"
-        )
+    _PATTERN = re.compile(r"Processing Method\((\d+)\): \((\d+)/(\d+)\)")
+
+    def __init__(self, bar: tqdm) -> None:
+        super().__init__(logging.INFO)
+        self.bar = bar
+        self.desc = bar.desc
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = self._PATTERN.search(record.getMessage())
+        if match:
+            method, shard, shards = map(int, match.groups())
+            self.bar.total = shards
+            self.bar.n = shard - 1  # shards finished
+            self.bar.set_description_str(f"{self.desc}, compiling shard {shard} (method {method + 1})")
+
+
+# The logger of ExecuTorch's QnnBackend preprocessing (executorch 1.5.1 backends/qualcomm/qnn_preprocess.py).
+_QNN_PREPROCESS_LOGGER = "executorch.backends.qualcomm.qnn_preprocess"
+
+
+@contextmanager
+def _progress(desc: str) -> Iterator[None]:
+    """A progress bar over the shards while the QNN compiler runs, ticking elapsed time and RSS every second.
+
+    It writes to its own copy of stderr's file: the lowering points the process's stdout/stderr at a log file
+    meanwhile (see `quiet_native_output`)."""
+    try:
+        stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")  # the file sys.stderr writes to, not always fd 2
+    except (OSError, ValueError):  # a stderr without a file descriptor (captured, e.g. by pytest): no bar
+        yield
+        return
+    bar = tqdm(desc=desc, total=None, file=stream, unit="shard", mininterval=1.0,
+               bar_format="{desc}: {n_fmt}/{total_fmt} shards done [{elapsed}{postfix}]")
+    shards = _ShardProgress(bar)
+    source = logging.getLogger(_QNN_PREPROCESS_LOGGER)
+    source.addHandler(shards)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            bar.set_postfix_str(f"RSS {_rss_mb() / 1024:.1f} GB" if os.path.exists("/proc/self/statm") else "")
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+        if bar.total:
+            bar.n = bar.total
+            bar.set_description_str(desc)
+    finally:
+        done.set()
+        ticker.join()
+        source.removeHandler(shards)
+        bar.close()
+        stream.close()
 
 
 def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max_tokens: int, result: ExportResult):
@@ -246,6 +336,9 @@ def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max
                 reference.session(), lambda: QNNModelForCausalLM(folder, folder, manifest)._session, tokenizer,
                 text_file, contract.context_len, static.text_config.bos_token_id, max_tokens,
             )
+            # The emulator's program sits in a reference cycle (model -> session -> timed methods -> model): free its
+            # QNN context now, not during the next SoC's lowering or at exit.
+            gc.collect()
         logger.info(
             "Evaluation on %d tokens of %s: perplexity %.3f (fp32) -> %.3f (exported), logits SQNR %.1f dB, top-1 %.3f",
             scores.tokens, text_file.name, scores.perplexity_reference, scores.perplexity_exported, scores.sqnr_db,
@@ -261,22 +354,13 @@ def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max
     return run
 
 
+# Below this many calibration tokens the activation ranges come from a handful of rows (the built-in sentences
+# give about 120 with the demo tokenizer).
+_MIN_CALIBRATION_TOKENS = 64
+
 # Ops that stay on the CPU side of the .pte: the embedding lookups (the per-layer table is far too large for
 # the NPU; quantized lookups are CPU kernels anyway).
 _CPU_OPS = frozenset({"aten.embedding.default"})
-
-
-def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        logger.warning("No tokenizer in %s; calibration uses random token ids", folder)
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        logger.warning("No usable tokenizer in %s (%s); calibration falls back to random token ids", folder, e)
-        return None
 
 
 def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig) -> None:
@@ -324,7 +408,7 @@ class ScaledLookup(torch.nn.Module):
         return self.lookup(ids) * self.scale
 
 
-def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, source: CalibrationSource, result: ExportResult):
+def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, texts: list[str], result: ExportResult):
     from optimum_qnn.kernels import row_gather_lookups
     from optimum_qnn.quantization import make_quantizer, quant_summary, quantize_shared
 
@@ -338,7 +422,15 @@ def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer,
     calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
     bos = static.text_config.bos_token_id
     if tokenizer is not None:
-        seqs = token_sequences(tokenizer, source.texts(), contract.context_len, bos)
+        seqs = token_sequences(tokenizer, texts, contract.context_len, bos)
+        tokens = sum(len(seq) for seq in seqs)
+        enough = max(_MIN_CALIBRATION_TOKENS, 2 * contract.method(calibrate_on).ar_len)
+        if tokens < enough:
+            logger.warning(
+                "Calibrating on only %d tokens (%d samples): too few to set activation ranges reliably (want %d or "
+                "more); pass a --calib-file or --calib-dataset with more text of the target domain",
+                tokens, len(seqs), enough,
+            )
     else:
         # No tokenizer: two calls' worth of random ids (at least 64), so every observer sees data.
         gen = torch.Generator().manual_seed(0)

@@ -41,8 +41,7 @@ def resolve_model_folder(model: str, *, revision: str | None = None, allow_pickl
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise HubError(f"{model} is not a model folder")
+    check_folder_or_repo_id(model, "model")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -67,6 +66,25 @@ def resolve_model_folder(model: str, *, revision: str | None = None, allow_pickl
         raise HubError(f"The Hub refused {model!r}: {e}") from None
 
 
+# A Hub repo id: "name" or "owner/name" of letters, digits, '-', '_', '.' (huggingface_hub's own rule, which it
+# reports as a syntax error rather than "no such folder").
+_HUB_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
+
+
+def check_folder_or_repo_id(name: str, what: str) -> None:
+    """Refuse, with what to do, a ``name`` that is neither an existing folder nor a possible Hub repo id (a
+    mistyped path, a file)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise HubError(f"{name} is a file; pass the {what} folder that holds it (or a Hub repo id)")
+    if name.startswith((".", "/", "~")) or "\\" in name or not _HUB_ID.match(name):
+        raise HubError(
+            f"No such folder: {name}. It is not a Hub repo id either ('owner/name'); check the path of the {what}"
+        )
+
+
 def download_variant(
     repo_id: str, *, soc: str | None, quant: str | None, context_len: int | None, revision: str | None
 ) -> tuple[Path, dict]:
@@ -89,6 +107,7 @@ def download_variant(
     from optimum_qnn.manifest import MANIFEST_NAME
     from optimum_qnn.modeling import select_variant
 
+    check_folder_or_repo_id(repo_id, "artifact")
     what = f"{repo_id!r}"
     try:
         index_path = hf_hub_download(repo_id, INDEX_NAME, revision=revision)

@@ -7,6 +7,7 @@ exporter, the quantizer or `torch.export`.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -121,7 +122,12 @@ class QNNModelForCausalLM:
             context_len: the exported context length, when several exist.
             revision: Hub revision to download.
         """
-        path = Path(repo_or_dir)
+        if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
+            raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
+        from optimum_qnn.hub import check_folder_or_repo_id
+
+        check_folder_or_repo_id(str(repo_or_dir), "artifact")
+        path = Path(repo_or_dir).expanduser()
         blobs = None
         if path.is_dir():
             root = path
@@ -164,11 +170,14 @@ class QNNModelForCausalLM:
         Stops at an EOS id (default: the manifest's), at ``max_new_tokens``, or at the end of the context
         (``self.stats.stopped_by`` says which). ``streamer`` gets ``put(tensor)`` per new token and ``end()``.
         """
-        prompt = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-        if prompt.numel() == 0:
-            raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
-        if max_new_tokens < 0:
-            raise InvalidInputError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
+        prompt = self._prompt_ids(input_ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+        _check_sampling(do_sample, temperature, top_k, top_p)
+        if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+            raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
         capacity = self._session.capacity
         if prompt.numel() > capacity:
             raise ContextOverflowError(
@@ -177,8 +186,12 @@ class QNNModelForCausalLM:
             )
         if eos_token_id is None:
             eos = set(self.eos_token_ids)
+        elif isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+            eos = {eos_token_id}
+        elif isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
+            eos = set(eos_token_id)
         else:
-            eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+            raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
         session = self._session
         session.reset()
         stats = GenerationStats(prompt_tokens=prompt.numel())
@@ -220,8 +233,37 @@ class QNNModelForCausalLM:
         self.stats = stats
         return torch.tensor(out, dtype=torch.long).unsqueeze(0)
 
+    def _prompt_ids(self, input_ids) -> torch.Tensor:
+        """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InvalidInputError(
+                f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
+            ) from None
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise InvalidInputError(
+                f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
+                "or convert with .long() if the values are whole)"
+            )
+        if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
+            raise InvalidInputError(
+                f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
+                "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
+            )
+        ids = ids.reshape(-1).long()
+        if ids.numel() == 0:
+            raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
+        return ids  # the range of the ids is checked by the session, for every call
+
     def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
         """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
+        if not isinstance(prompt, str):
+            raise InvalidInputError(f"prompt must be a string; got {type(prompt).__name__} (use generate() for token ids)")
+        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+            raise InvalidInputError(
+                f"tokenizer must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained(folder)); got {type(tokenizer).__name__}"
+            )
         if chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict):
@@ -232,11 +274,26 @@ class QNNModelForCausalLM:
         return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
+def _check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:
+    """Sampling arguments as Hugging Face's generate accepts them, checked before the first token."""
+    if not isinstance(do_sample, bool):
+        raise InvalidInputError(f"do_sample must be True or False; got {do_sample!r}")
+    if not do_sample:
+        return
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise InvalidInputError(f"temperature must be a finite number > 0 when sampling; got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise InvalidInputError(f"top_k must be an integer >= 0 (0 or None: no top-k filter); got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1
+    ):
+        raise InvalidInputError(f"top_p must be in (0, 1] (1 or None: no nucleus filter); got {top_p!r}")
+
+
 def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_p, generator) -> int:
     if not do_sample:
         return int(torch.argmax(logits))
-    if temperature <= 0:
-        raise InvalidInputError(f"temperature must be > 0 when sampling; got {temperature}")
+    _check_sampling(do_sample, temperature, top_k, top_p)
     scores = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]

@@ -57,3 +57,21 @@ def test_shards_split_the_layers_evenly():
     assert parse("--shards", "3").shard_starts(7) == (2, 5)  # shards of 2, 3 and 2 layers
     with pytest.raises(ValueError, match="--shards 8 exceeds the model's 7 decoder layers"):
         parse("--shards", "8").shard_starts(7)
+
+
+def test_embedding_quant_default_fits_the_table_widths():
+    """Not chosen by the user: 4-bit in groups of 32, or of 16/8 when 32 does not divide a table's width (a Gemma4
+    48 wide is valid), one group per row when neither does, 8-bit per row when a width is odd; float for fp16."""
+    assert parse().embedding_quant is None and parse("--embedding-quant", "4,32").embedding_quant == EmbeddingQuant(4, 32)
+    default = EmbeddingQuant.default_for
+    assert default(QuantScheme.A16W4_BLOCK, (1536, 35 * 256)) == EmbeddingQuant(4, 32)  # Gemma-4-E2B
+    assert default(QuantScheme.A16W8, (48, 6 * 8)) == EmbeddingQuant(4, 16)
+    assert default(QuantScheme.A16W8, (40,)) == EmbeddingQuant(4, 8)
+    assert default(QuantScheme.A16W8, (36,)) == EmbeddingQuant(4, 0)
+    assert default(QuantScheme.A16W8, (64, 49)) == EmbeddingQuant(8, 0)
+    assert default(QuantScheme.FP16, (48,)) == EmbeddingQuant(0, 0)
+    for quant in QuantScheme:
+        for widths in [(48, 48), (40,), (36,), (64, 49), (128, 96)]:
+            default(quant, widths).check_widths(widths)  # the default always fits
+    with pytest.raises(ValueError, match="48 wide, not a multiple of the group size 32; choose a group size of 16,"):
+        EmbeddingQuant(4, 32).check_widths((48, 48))

@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4 import modeling_gemma4 as hf
 
@@ -43,28 +44,73 @@ class LoadReport:
     files: list[str] = field(default_factory=list)
 
 
+def _corrupt(path: Path, reason: object) -> "CheckpointError":
+    return CheckpointError(
+        f"{path} cannot be read ({reason}): the file is corrupt or an incomplete download. Download the model again "
+        "(for a Hub model: delete its folder under ~/.cache/huggingface/hub, or pass force_download)"
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(path, e) from None
+    if not isinstance(raw, dict):
+        raise _corrupt(path, f"expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def read_text_config(folder: Path) -> Gemma4TextConfig:
     """The Gemma4 text config of a checkpoint folder (the ``text_config`` of a multimodal one)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"No config.json in {folder}: is this a Hugging Face model folder?")
-    raw = json.loads(config_path.read_text())
+    raw = _read_json(config_path)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"Model type {model_type!r} is not supported; expected one of: {', '.join(SUPPORTED_MODEL_TYPES)} "
             "(Gemma4 text or multimodal checkpoints)"
         )
-    if model_type == "gemma4":
-        return Gemma4Config.from_pretrained(folder).get_text_config()
-    return Gemma4TextConfig.from_pretrained(folder)
+    try:
+        if model_type == "gemma4":
+            config = Gemma4Config.from_pretrained(folder).get_text_config()
+        else:
+            config = Gemma4TextConfig.from_pretrained(folder)
+        config.kv_sharing_modes  # noqa: B018  (derived from the layer counts: a bad value fails here, not mid-load)
+    except Exception as e:  # transformers/huggingface_hub validators raise their own types (StrictDataclass...Error)
+        raise CheckpointError(
+            f"{config_path} is not a valid Gemma4 config ({type(e).__name__}: {e}); fix the value it names or download "
+            "the model again"
+        ) from None
+    _check_config_values(config, config_path)
+    return config
+
+
+def _check_config_values(config: Gemma4TextConfig, path: Path) -> None:
+    """Sizes that transformers accepts but no model can have (a hand-edited or truncated config)."""
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+                 "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise CheckpointError(f"{path}: {name} must be a positive integer; got {value!r}. Fix the config or download it again")
 
 
 def _safetensors_files(folder: Path, allow_pickle: bool) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+            raise _corrupt(index, "no 'weight_map' of tensor name -> file name")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index.name} in {folder} lists weight files that are missing: {', '.join(missing)}. The download is "
+                "incomplete: download the model again"
+            )
+        return files
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return files
@@ -80,15 +126,37 @@ def _safetensors_files(folder: Path, allow_pickle: bool) -> list[Path]:
     raise CheckpointError(f"No *.safetensors weights in {folder}")
 
 
+def check_checkpoint(folder: str | Path, *, allow_pickle: bool = False) -> Gemma4TextConfig:
+    """Everything about a checkpoint folder that can be checked without reading its tensors: the config parses and
+    is Gemma4, the weight files exist and their safetensors headers are whole. Costs milliseconds; run it before
+    any long work. Returns the text config."""
+    folder = Path(folder)
+    config = read_text_config(folder)
+    for file in _safetensors_files(folder, allow_pickle):
+        if file.suffix == ".safetensors":
+            with _open_tensors(file):
+                pass
+    return config
+
+
 @contextlib.contextmanager
 def _open_tensors(file: Path):
     """Yield ``(keys, get_tensor)`` for a safetensors file (lazy, tensor by tensor) or an opted-in pickle file."""
     if file.suffix == ".safetensors":
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            f = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise _corrupt(file, e) from None
+        with f:
             yield list(f.keys()), f.get_tensor
     else:
         # weights_only=True refuses anything but tensors and plain containers; mmap avoids a second copy.
-        sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+            raise _corrupt(file, e) from None
+        if not isinstance(sd, dict):
+            raise _corrupt(file, f"expected a dict of tensors, got {type(sd).__name__}")
         yield list(sd.keys()), sd.__getitem__
 
 
@@ -130,15 +198,23 @@ def load_text_model(
     folder = Path(folder)
     config = read_text_config(folder)
     config._attn_implementation = "eager"
-    multimodal = json.loads((folder / "config.json").read_text())["model_type"] == "gemma4"
+    multimodal = _read_json(folder / "config.json")["model_type"] == "gemma4"
     files = _safetensors_files(folder, allow_pickle)
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(config)
-    expected = set(model.state_dict().keys())
+    try:
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(config)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(
+            f"The config of {folder} does not describe a buildable Gemma4 model ({type(e).__name__}: {e}); fix the "
+            "value it names or download the model again"
+        ) from None
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = set(shapes)
     shared_layers = {i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse"}
     report = LoadReport(files=[f.name for f in files])
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    wrong_shape: list[str] = []
     for file in files:
         with _open_tensors(file) as (keys, get_tensor):
             for key in keys:
@@ -152,10 +228,18 @@ def load_text_model(
                     unexpected.append(key)
                     continue
                 tensor = get_tensor(key)
+                if tuple(tensor.shape) != shapes[target]:
+                    wrong_shape.append(f"{key} {tuple(tensor.shape)} (config wants {shapes[target]})")
+                    continue
                 keep = dtype is None or not tensor.is_floating_point() or (tables_in_stored_dtype and target in EMBEDDING_TABLES)
                 state[target] = tensor if keep else tensor.to(dtype)
                 report.read.append(key)
     tied = config.tie_word_embeddings
+    if wrong_shape:
+        raise CheckpointError(
+            f"Checkpoint {folder}: {len(wrong_shape)} tensors do not have the shape its config.json gives "
+            f"(e.g. {wrong_shape[:3]}); the config and the weights come from different models"
+        )
     missing = sorted(expected - state.keys() - ({"lm_head.weight"} if tied else set()))
     if missing or unexpected:
         raise CheckpointError(
