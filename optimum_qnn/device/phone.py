@@ -309,6 +309,8 @@ class PhoneModelForCausalLM:
             observer = _observer(streams.stdout)
             tail = "".join(streams.stderr).strip()
             if returncode != 0 or observer is None:
+                if not tail:  # an Android build may log to logcat only (ExecuTorch's android PAL)
+                    tail = self.adb.shell("logcat -d -t 40 -s ExecuTorch", timeout=60, check=False).stdout.strip()
                 why = f"exited with status {returncode}" if returncode != 0 else "printed no PyTorchObserver stats"
                 raise DeviceError(
                     f"{RUNNER_NAME} on {self.device} {why}. Its last output:\n{tail or '(none)'}\n"
@@ -343,11 +345,16 @@ class PhoneModelForCausalLM:
 
         reader = threading.Thread(target=drain_stderr, daemon=True)
         reader.start()
-        for line in proc.stdout:
-            text = line.decode("utf-8", errors="replace")
-            streams.stdout.append(text)
-            logger.debug("runner: %s", text.rstrip())
-        returncode = proc.wait()
+        try:
+            for line in proc.stdout:
+                text = line.decode("utf-8", errors="replace")
+                streams.stdout.append(text)
+                logger.debug("runner: %s", text.rstrip())
+            returncode = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: closing adb's end of the shell ends the runner too
+                proc.kill()
+                proc.wait()
         reader.join()
         return returncode, streams
 
