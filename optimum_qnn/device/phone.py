@@ -173,9 +173,9 @@ class PhoneModelForCausalLM:
                 f"so it cannot be checked against this variant's {want}"
             )
         if got != want:
-            known = ", ".join(s.value for s in Soc)
+            known = [s.value for s in Soc]
             fix = (f"load the {got} variant (soc='{got}') or export one with --soc {got}" if got in known
-                   else f"this tool targets {known}")
+                   else f"this tool targets {', '.join(known)}")
             raise DeviceError(
                 f"Phone {self.adb.serial} has a {got}, but this variant was compiled for {want} "
                 f"(HTP v{self.manifest.target.htp_arch}): {fix}"
@@ -199,8 +199,8 @@ class PhoneModelForCausalLM:
         logger.info("Pushing %d of %d files (%.1f MiB) to %s", len(todo), len(files), need / 2**20, self.device)
         for path, f in todo:
             self.adb.push(f.local, path)
-        runner = f"{WORKSPACE}/{RUNNER_NAME}"
-        self.adb.shell(f"chmod 755 {shlex.quote(runner)}")
+        executables = [shlex.quote(path) for path, f in remote.items() if f.executable]
+        self.adb.shell(f"chmod 755 {' '.join(executables)}")
         self.pushed = [f.remote for _, f in todo]
 
     # -- generation --------------------------------------------------------------------------------------------
