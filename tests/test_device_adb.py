@@ -221,6 +221,17 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
     assert out[0, len(prompt):].tolist() == eos_ids[: eos_ids.index(1) + 1] and model.stats.stopped_by == "eos"
     assert 1 in model.runner_stop_ids
 
+    # A request past the context: --seq_len is the context length, the runner gives what fits.
+    long_text = " the statement is executed, then the loop ends"
+    long_ids = tokenizer.encode(long_text, add_special_tokens=False).ids
+    long_prompt = [5] * (CTX - len(long_ids))
+    reply.write_text(json.dumps({"text": long_text, "observer": {**observer, "generated_tokens": len(long_ids) - 1}}))
+    out = model.generate(long_prompt, max_new_tokens=len(long_ids) + 10)
+    assert out[0, len(long_prompt):].tolist() == long_ids and model.stats.stopped_by == "context_full"
+    assert json.loads(record.read_text())["argv"][argv.index("--seq_len") + 1] == str(CTX)
+    runs = len(phone.calls("shell"))
+    assert model.generate(prompt, max_new_tokens=0).tolist() == [prompt] and len(phone.calls("shell")) == runs
+
 
 def test_files_with_the_same_sha256_are_not_pushed_again(artifact, setup, phone, tmp_path):
     load(artifact)
