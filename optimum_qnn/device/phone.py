@@ -12,7 +12,8 @@ What the runner gives back, read from its sources (``qnn_llama_runner.cpp``, ``r
 ``runner/token_generator.cpp``): ``outputs.txt`` holds the ``--tokenized_prompt`` argument (its echo of the prompt)
 then each generated token's text, written only when the runner exits; stdout holds a ``PyTorchObserver {json}``
 line with token counts and millisecond timestamps. It prints no token ids, so the ids are the generated text
-encoded again with the artifact's tokenizer (checked against the runner's token count). It stops at its own end
+encoded again with the artifact's tokenizer, checked against the runner's token count (equal to the ids
+`QNNModelForCausalLM` generates from the same .pte on the emulator, fp16 and 16a8w, hybrid and kv). It stops at its own end
 tokens: the tokenizer's EOS and ``encode("<turn|>")[0]`` (``runner.cpp``, Gemma4), see `runner_stop_ids`.
 
 Runtime code: imports neither the exporter, the quantizer nor torch.export, and does not load ExecuTorch.
@@ -309,7 +310,7 @@ class PhoneModelForCausalLM:
             observer = _observer(streams.stdout)
             tail = "".join(streams.stderr).strip()
             if returncode != 0 or observer is None:
-                if not tail:  # an Android build may log to logcat only (ExecuTorch's android PAL)
+                if not tail:  # a runner built with ExecuTorch's android PAL logs to logcat, not stderr
                     tail = self.adb.shell("logcat -d -t 40 -s ExecuTorch", timeout=60, check=False).stdout.strip()
                 why = f"exited with status {returncode}" if returncode != 0 else "printed no PyTorchObserver stats"
                 raise DeviceError(
