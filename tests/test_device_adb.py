@@ -412,8 +412,8 @@ def a16w8_export(demo_model_dir, tmp_path_factory, qnn_sdk):
 ])
 def test_real_runner_generates_the_emulator_tokens(which, request, x86_phone, demo_model_dir):
     """ExecuTorch's qnn_llama_runner (x86 build) behind the stand-in adb generates, greedy, the tokens that
-    QNNModelForCausalLM generates on the emulator from the same .pte, for prompts shorter and longer than the
-    sliding window (16)."""
+    QNNModelForCausalLM generates on the emulator from the same .pte (16a8w with its default uint16 IO), for prompts
+    shorter and longer than the sliding window (16)."""
     from transformers import AutoTokenizer
 
     if which == "fp16-hybrid":
