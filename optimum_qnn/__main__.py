@@ -66,7 +66,65 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handler)
 
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect)
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run", help="generate text with an exported model, on this host or on a phone over adb",
+        description="Generate with one variant of an artifact folder or Hub repo: on this host (QNN runtime), or on "
+        "an Android phone through ExecuTorch's qnn_llama_runner (--device adb). Prints the text as it comes, then "
+        "one line of stats.",
+    )
+    parser.add_argument("model", help="artifact folder or Hub repo id")
+    parser.add_argument("--soc", help="the variant's SoC, e.g. SM8650 (needed when the artifact has several)")
+    parser.add_argument("--quant", help="the variant's quant scheme, e.g. 16a8w (needed when several)")
+    parser.add_argument("--context-len", type=int, help="the variant's context length (when several)")
+    parser.add_argument("--revision", help="Hub revision")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text, tokenized with the artifact's tokenizer")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are (e.g. 2,651,1234)")
+    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument("--device", default="host", help="host, adb (the one phone connected) or adb:SERIAL (default: %(default)s)")
+    parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the phone (default: $QNN_LLAMA_RUNNER)")
+
+    def handler(args: argparse.Namespace) -> int:
+        from optimum_qnn.errors import OptimumQnnError
+
+        try:
+            ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()] if args.prompt_ids else None
+        except ValueError:
+            print(f"error: --prompt-ids takes integers separated by commas; got {args.prompt_ids!r}", file=sys.stderr)
+            return 2
+        try:
+            from transformers import AutoTokenizer, TextStreamer
+
+            from optimum_qnn.modeling import QNNModelForCausalLM
+
+            options = {"runner": args.runner} if args.runner else {}
+            model = QNNModelForCausalLM.from_pretrained(
+                args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, revision=args.revision,
+                device=args.device, **options,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(model.root)
+            streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+            if ids is None:
+                model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
+            else:
+                model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+        except (OptimumQnnError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        s = model.stats
+        print(
+            f"[{s.prompt_tokens} prompt + {s.new_tokens} new tokens, stopped by {s.stopped_by} | first token "
+            f"{s.time_to_first_token_s:.2f} s | prefill {s.prefill_tokens_per_s:.1f} tok/s | decode "
+            f"{s.decode_tokens_per_s:.1f} tok/s | {getattr(model, 'device', 'host')}]"
+        )
+        return 0
+
+    parser.set_defaults(handler=handler)
+
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run)
 
 
 def build_parser() -> argparse.ArgumentParser:

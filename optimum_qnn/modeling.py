@@ -112,6 +112,8 @@ class QNNModelForCausalLM:
         quant: str | None = None,
         context_len: int | None = None,
         revision: str | None = None,
+        device: str = "host",
+        **device_options: Any,
     ) -> "QNNModelForCausalLM":
         """Load one variant of an artifact folder or Hub repo, verified against its manifest.
 
@@ -121,9 +123,17 @@ class QNNModelForCausalLM:
             quant: e.g. ``"16a4w_block64"``; None when unambiguous.
             context_len: the exported context length, when several exist.
             revision: Hub revision to download.
+            device: ``"host"`` (this machine), or ``"adb"`` / ``"adb:SERIAL"``: a phone, through
+                `optimum_qnn.device.PhoneModelForCausalLM` (``device_options``: its ``runner``, ``qnn_sdk_root``...).
         """
         if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
             raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
+        if device != "host":
+            from optimum_qnn.device import DeviceSpec
+
+            DeviceSpec.parse(device)  # a bad name fails before any download
+        elif device_options:
+            raise InvalidInputError(f"{', '.join(sorted(device_options))}: options of device='adb', not of the host")
         from optimum_qnn.hub import check_folder_or_repo_id
 
         check_folder_or_repo_id(str(repo_or_dir), "artifact")
@@ -145,6 +155,10 @@ class QNNModelForCausalLM:
         verify_files(variant, manifest, allowed_root=blobs)
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
+        if device != "host":
+            from optimum_qnn.device import PhoneModelForCausalLM
+
+            return PhoneModelForCausalLM(root, variant, manifest, device=device, allowed_root=blobs, **device_options)
         return cls(root, variant, manifest, allowed_root=blobs)
 
     @property
