@@ -35,6 +35,7 @@ from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.manifest import (
     MANIFEST_NAME,
     PROGRAM_NAME,
+    SCHEMA_VERSION,
     Manifest,
     Quantization,
     QuantRecipeRow,
@@ -192,7 +193,7 @@ class VariantWriter:
             staging.mkdir(parents=True)
             lowered.write(staging / PROGRAM_NAME)
             manifest = Manifest(
-                schema_version="1.0",
+                schema_version=SCHEMA_VERSION,
                 source=Source(self.model_id, self.revision, self._weight_entries()),
                 versions=Versions(
                     optimum_qnn=_version("optimum-qnn"),
@@ -213,6 +214,7 @@ class VariantWriter:
                 tokenizer=self._tokenizer_info(root_files),
                 program=file_entry(staging, PROGRAM_NAME),
                 files=[file_entry(staging, PROGRAM_NAME)],
+                root_files=[file_entry(self.output, f) for f in root_files],
             )
             manifest.write(staging)
             if evaluate is not None:

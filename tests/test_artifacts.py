@@ -17,9 +17,9 @@ from optimum_qnn.artifacts import INDEX_NAME, ArtifactError, VariantWriter, chec
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 from optimum_qnn.contract import DECODE_METHOD, AttentionKind, LayerSpec, RunnerContract
 from optimum_qnn.lowering import LoweredProgram
-from optimum_qnn.manifest import read_manifest
+from optimum_qnn.manifest import ManifestError, read_manifest
 from optimum_qnn.models.gemma4.loading import LoadReport
-from optimum_qnn.modeling import verify_files
+from optimum_qnn.modeling import QNNModelForCausalLM, verify_files
 
 CONFIG = ExportConfig(
     socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(24, 4),
@@ -51,6 +51,8 @@ def source(tmp_path) -> Path:
     folder = tmp_path / "source"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "generation_config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text('{"model": {}}')
     (folder / "model.safetensors").write_bytes(b"\0" * 64)
     return folder
 
@@ -88,6 +90,28 @@ def test_variant_written_with_manifest_and_index(tmp_path, source, qnn_sdk):
     index = read_index(out)
     assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/fp16-ctx24-kv"]
     assert (out / "config.json").is_file() and leftovers(out) == []
+
+
+def test_manifest_hashes_the_root_files_the_variant_reads(tmp_path, source, qnn_sdk):
+    out = tmp_path / "out"
+    path = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
+    manifest = read_manifest(path)
+    assert manifest.schema_version == "1.1"
+    assert sorted(e.path for e in manifest.root_files) == ["config.json", "generation_config.json", "tokenizer.json"]
+    verify_files(path, manifest, root=out)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "generation_config.json"])
+def test_from_pretrained_refuses_a_tampered_root_file(tmp_path, source, qnn_sdk, name):
+    """The check runs before the program is loaded, so a placeholder .pte is enough to see the refusal."""
+    out = tmp_path / "out"
+    writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
+    (out / name).write_text('{"tampered": true}')
+    with pytest.raises(ManifestError, match=f"{name} in .* does not match its manifest sha256"):
+        QNNModelForCausalLM.from_pretrained(out)
+    (out / name).unlink()
+    with pytest.raises(ManifestError, match=f"{name} is listed in the manifest but missing"):
+        QNNModelForCausalLM.from_pretrained(out)
 
 
 def test_replacing_a_variant_swaps_it_whole(tmp_path, source, qnn_sdk):
