@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -82,7 +83,7 @@ def verify_files(
             raise ManifestError(f"{entry.path} is listed in the manifest but missing from {base}")
         if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
             raise ManifestError(
-                f"{entry.path} in {base} does not match its manifest sha256 (corrupt or tampered file); "
+                f"{entry.path} does not match its manifest sha256 (corrupt or tampered file at {path}); "
                 "delete it and download or export it again"
             )
 
@@ -236,7 +237,7 @@ class QNNModelForCausalLM:
         """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
         if chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):
+            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
                 ids = ids["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]

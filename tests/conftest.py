@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -129,8 +130,9 @@ def cli_16a8w_export(demo_model_dir, tmp_path_factory, run_python):
     tmp = tmp_path_factory.mktemp("cli-16a8w")
     out = tmp / "out"
     paragraphs = tiny_gemma4.corpus().split("\n\n")
-    calib = tmp / "calib.txt"
-    calib.write_text("\n\n".join(paragraphs[:40]))
+    calib = tmp / "calib.jsonl"  # the README's form: one {"text": ...} object per line; extra keys and blank lines allowed
+    calib.write_text("".join(json.dumps({"text": p, "source": "corpus"}) + "\n" + ("\n" if i % 7 == 0 else "")
+                             for i, p in enumerate(paragraphs[:40])))
     held_out = tmp / "eval.txt"
     held_out.write_text("\n\n".join(paragraphs[-40:]))
     proc = run_python(
