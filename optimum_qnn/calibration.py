@@ -13,7 +13,7 @@ from optimum_qnn.errors import InvalidInputError
 logger = logging.getLogger(__name__)
 
 # Used when the user gives no calibration text: a few varied sentences, so that every activation sees data.
-# Real exports should pass --calib-file or --calib-dataset with text of the target domain.
+# Real exports should pass --calib-file with text of the target domain.
 DEFAULT_CALIBRATION_TEXT = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun.",
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
@@ -25,36 +25,31 @@ DEFAULT_CALIBRATION_TEXT = [
 
 @dataclass(frozen=True)
 class CalibrationSource:
-    """Where calibration text comes from: a local file, a `datasets` dataset, or the built-in sentences.
+    """Where calibration text comes from: a local file or the built-in sentences.
+
+    No `datasets` source: `datasets` is not a dependency of this package. A dataset saved as JSONL
+    (``ds.to_json("calib.jsonl")``) is read as a file.
 
     Args:
         file: plain text (one sample per blank-line separated paragraph) or JSONL (a ``text`` field per line).
-        dataset: a `datasets` name or local path, read with ``datasets.load_dataset``.
-        split: the dataset split.
         limit: keep at most this many samples.
     """
 
     file: Path | None = None
-    dataset: str | None = None
-    split: str = "train"
     limit: int = 32
 
     def __post_init__(self) -> None:
-        if self.file is not None and self.dataset is not None:
-            raise ValueError("Pass either a calibration file or a calibration dataset, not both")
         if self.limit <= 0:
             raise ValueError(f"Calibration limit must be positive; got {self.limit}")
 
     def texts(self) -> list[str]:
         if self.file is not None:
             texts = read_text_file(Path(self.file))
-        elif self.dataset is not None:
-            texts = _dataset_texts(self.dataset, self.split)
         else:
             texts = list(DEFAULT_CALIBRATION_TEXT)
         texts = [t for t in texts if t.strip()][: self.limit]
         if not texts:
-            raise InvalidInputError(f"No calibration text found in {self.file or self.dataset}")
+            raise InvalidInputError(f"No calibration text found in {self.file}")
         return texts
 
 
@@ -74,16 +69,6 @@ def read_text_file(path: Path) -> list[str]:
                 raise InvalidInputError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
         return texts
     return [p.strip() for p in raw.split("\n\n") if p.strip()]
-
-
-def _dataset_texts(name: str, split: str) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise InvalidInputError("--calib-dataset needs the `datasets` package: pip install datasets") from None
-    ds = datasets.load_dataset(name, split=split)
-    column = "text" if "text" in ds.column_names else ds.column_names[0]
-    return [str(t) for t in ds[column]]
 
 
 def token_sequences(tokenizer, texts: Iterable[str], max_len: int, bos_id: int | None) -> list[list[int]]:

@@ -80,6 +80,23 @@ def random_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+RANDOM_SOCS = ("SM8650", "SM8750", "SM8850")
+
+
+@pytest.fixture(scope="session")
+def random_kv_export(random_model_dir, tmp_path_factory, qnn_sdk):
+    """The random Gemma4 exported once, fp16 kv mode, context 32, for three SoCs (loaded and calibrated once,
+    lowered per SoC): test_export checks the per-SoC lowering, test_hub publishes and loads it."""
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.export import export
+
+    config = ExportConfig(
+        socs=tuple(Soc.parse(s) for s in RANDOM_SOCS), quant=QuantScheme.FP16, mode=ExportMode.KV,
+        shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(0, 0),
+    )
+    return export(random_model_dir, tmp_path_factory.mktemp("random-kv"), config)
+
+
 FP16_CTX, FP16_PREFILL = 96, 16
 
 
