@@ -26,9 +26,10 @@ from tests.conftest import RANDOM_SOCS
 FP16_MIN_SQNR_DB = 46.0
 # The random bf16 checkpoint's fp16 .pte against fp32 of the same weights: measured 31.3 dB over 21 tokens.
 BF16_MIN_SQNR_DB = 30.0
-# 16a8w hybrid on the demo model, 33 tokens against fp32: measured mean SQNR 41.6 dB (min 29.8) and top-1 1.00 for
-# each method alone and for prefill-then-decode (the issue asks for >= 20 dB).
-A16W8_MIN_SQNR_DB = 38.0
+# 16a8w hybrid on the demo model calibrated from the JSONL file, 33 tokens against fp32: measured mean SQNR 45.4 dB
+# (min 34.3) and top-1 1.00 for each method alone and for prefill-then-decode; --evaluate on 189 held-out tokens:
+# 43.5 dB, top-1 0.979 (the issue asks for >= 20 dB).
+A16W8_MIN_SQNR_DB = 42.0
 A16W8_MIN_TOP1 = 0.96
 
 
