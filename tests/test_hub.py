@@ -360,17 +360,34 @@ def test_not_found_errors_are_clear(client, tmp_path):
 # --- exporting from a Hub model id -----------------------------------------------------------------------------
 
 
-def test_export_from_a_hub_model_id(hub, random_model_dir, local_tokens, run_python, tmp_path):
-    """`optimum-qnn export --model <repo id>`: the checkpoint comes through the Hub client (only the files the
-    exporter reads), the manifest records the repo and revision, and the variant generates what the local export does."""
+# The CLI in a child process, with `GitHubApi` (below) in place of `HfApi`: pushes become commits in olah's mirrors.
+CLI_WITH_GIT_HUB = r"""
+import os, sys
+from pathlib import Path
+import huggingface_hub
+from tests.test_hub import GitHubApi
+GitHubApi.root, GitHubApi.calls = Path(os.environ["GIT_HUB_MIRRORS"]), []
+huggingface_hub.HfApi = GitHubApi
+from optimum_qnn.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_export_from_a_hub_model_id_and_push(hub, client, random_model_dir, local_tokens, run_python, tmp_path):
+    """`optimum-qnn export --model <repo id> --push-to-hub <repo>` end to end: the checkpoint comes through the Hub
+    client (only the files the exporter reads), the manifest records the repo and revision, the variant generates
+    what the local export does, and the pushed repo downloads back byte for byte."""
+    from huggingface_hub import ModelCard
+
     from optimum_qnn.manifest import read_manifest, sha256_file
     from optimum_qnn.modeling import QNNModelForCausalLM
 
-    out, hf_home = tmp_path / "out", tmp_path / "hf"
+    out, hf_home, pushed = tmp_path / "out", tmp_path / "hf", f"{ORG}/gemma4-tiny-cli-pushed"
     proc = run_python(
-        "-m", "optimum_qnn", "export", "--model", SOURCE_REPO, "--revision", "main", "--output", str(out),
+        "-c", CLI_WITH_GIT_HUB, "export", "--model", SOURCE_REPO, "--revision", "main", "--output", str(out),
         "--soc", "SM8650", "--quant", "fp16", "--mode", "kv", "--max-seq-len", "32", "--prefill-ar-len", "4",
-        "--embedding-quant", "none", env=hub_env(hub, hf_home), timeout=900,
+        "--embedding-quant", "none", "--push-to-hub", pushed,
+        env={**hub_env(hub, hf_home), "GIT_HUB_MIRRORS": str(hub["mirrors"]), **GIT_ENV}, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (snapshot,) = (hf_home / "hub" / f"models--{SOURCE_REPO.replace('/', '--')}" / "snapshots").iterdir()
@@ -383,6 +400,16 @@ def test_export_from_a_hub_model_id(hub, random_model_dir, local_tokens, run_pyt
     ]
     model = QNNModelForCausalLM.from_pretrained(out)
     assert model.generate(PROMPT, max_new_tokens=4).reshape(-1).tolist() == local_tokens["SM8650"]
+
+    # --push-to-hub: a root commit and one per variant, printed by the CLI; the repo reads back as the folder.
+    assert proc.stdout.count("pushed ") == 2, proc.stdout[-2000:]
+    assert ModelCard((out / "README.md").read_text()).data.base_model == SOURCE_REPO  # the source was a Hub id
+    (res,) = client([{"kind": "snapshot", "repo": pushed, "revision": "main"}], tmp_path / "hf-read")
+    assert "error" not in res, res
+    local = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert res["files"] == local
+    for name in local:
+        assert (Path(res["root"]) / name).read_bytes() == (out / name).read_bytes(), name
 
 
 # --- publishing -----------------------------------------------------------------------------------------------
