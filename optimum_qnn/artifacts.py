@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import uuid
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.manifest import (
     MANIFEST_NAME,
     PROGRAM_NAME,
+    SCHEMA_VERSION,
     Manifest,
     Quantization,
     QuantRecipeRow,
@@ -193,7 +195,7 @@ class VariantWriter:
             staging.mkdir(parents=True)
             lowered.write(staging / PROGRAM_NAME)
             manifest = Manifest(
-                schema_version="1.0",
+                schema_version=SCHEMA_VERSION,
                 source=Source(self.model_id, self.revision, self._weight_entries()),
                 versions=Versions(
                     optimum_qnn=_version("optimum-qnn"),
@@ -215,12 +217,14 @@ class VariantWriter:
                 program=file_entry(staging, PROGRAM_NAME),
                 files=[file_entry(staging, PROGRAM_NAME)],
                 inspection=inspection,
+                root_files=[file_entry(self.output, f) for f in root_files],
             )
             manifest.write(staging)
             if evaluate is not None:
                 manifest = dataclasses.replace(manifest, evaluation=evaluate(staging, manifest))
                 manifest.write(staging)
             target.parent.mkdir(parents=True, exist_ok=True)
+            _stop_point("variant-staged")
             _replace_dir(staging, target)
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)
@@ -261,11 +265,23 @@ class VariantWriter:
         atomic_write_text(self.output / INDEX_NAME, json.dumps(index, indent=2) + "\n")
 
 
+STOP_AT_ENV = "OPTIMUM_QNN_TEST_STOP_AT"
+
+
+def _stop_point(name: str) -> None:
+    """A test hook: with ``OPTIMUM_QNN_TEST_STOP_AT=<name>`` the process stops itself (SIGSTOP) here, so a test can
+    SIGKILL it at an exact point of the write/swap window (tests/test_reliability.py); a timed kill would land there
+    only by luck, the window lasting microseconds. Does nothing when the variable is unset."""
+    if os.environ.get(STOP_AT_ENV) == name and hasattr(signal, "SIGSTOP"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _replace_dir(new: Path, target: Path) -> None:
     """Put ``new`` at ``target``. An existing ``target`` is swapped out in one atomic exchange where the file
     system supports it (Linux ``renameat2(RENAME_EXCHANGE)``), so a reader or a kill never sees no variant;
     elsewhere it is moved aside first. The old folder is deleted after."""
     if target.exists() and _exchange(new, target):
+        _stop_point("variant-swapped")
         shutil.rmtree(new, ignore_errors=True)  # ``new`` now holds the old variant
         return
     old = None
@@ -273,6 +289,7 @@ def _replace_dir(new: Path, target: Path) -> None:
         old = target.with_name(f".old-{target.name}-{uuid.uuid4().hex}")
         os.replace(target, old)
     os.replace(new, target)
+    _stop_point("variant-swapped")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

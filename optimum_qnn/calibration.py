@@ -13,7 +13,7 @@ from optimum_qnn.errors import InvalidInputError
 logger = logging.getLogger(__name__)
 
 # Used when the user gives no calibration text: a few varied sentences, so that every activation sees data.
-# Real exports should pass --calib-file or --calib-dataset with text of the target domain.
+# Real exports should pass --calib-file with text of the target domain.
 DEFAULT_CALIBRATION_TEXT = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun.",
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
@@ -25,36 +25,31 @@ DEFAULT_CALIBRATION_TEXT = [
 
 @dataclass(frozen=True)
 class CalibrationSource:
-    """Where calibration text comes from: a local file, a `datasets` dataset, or the built-in sentences.
+    """Where calibration text comes from: a local file or the built-in sentences.
+
+    No `datasets` source: `datasets` is not a dependency of this package. A dataset saved as JSONL
+    (``ds.to_json("calib.jsonl")``) is read as a file.
 
     Args:
         file: plain text (one sample per blank-line separated paragraph) or JSONL (a ``text`` field per line).
-        dataset: a `datasets` name or local path, read with ``datasets.load_dataset``.
-        split: the dataset split.
         limit: keep at most this many samples.
     """
 
     file: Path | None = None
-    dataset: str | None = None
-    split: str = "train"
     limit: int = 32
 
     def __post_init__(self) -> None:
-        if self.file is not None and self.dataset is not None:
-            raise InvalidInputError("Pass either a calibration file or a calibration dataset, not both")
         if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit <= 0:
             raise InvalidInputError(f"--calib-limit must be a positive integer; got {self.limit!r}")
 
     def texts(self) -> list[str]:
         if self.file is not None:
             texts = read_text_file(Path(self.file), "Calibration")
-        elif self.dataset is not None:
-            texts = _dataset_texts(self.dataset, self.split)
         else:
             texts = list(DEFAULT_CALIBRATION_TEXT)
         texts = [t for t in texts if t.strip()][: self.limit]
         if not texts:
-            raise InvalidInputError(f"No calibration text found in {self.file or self.dataset}")
+            raise InvalidInputError(f"No calibration text found in {self.file}")
         return texts
 
 
@@ -92,27 +87,6 @@ def check_text_file(path: Path, what: str) -> list[str]:
     texts = [t for t in read_text_file(Path(path), what) if t.strip()]
     if not texts:
         raise InvalidInputError(f"{what} file {path} holds no text")
-    return texts
-
-
-def _dataset_texts(name: str, split: str) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise InvalidInputError("--calib-dataset needs the `datasets` package: pip install datasets") from None
-    try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError for a split)
-        raise InvalidInputError(
-            f"Cannot load calibration dataset {name!r} split {split!r} ({type(e).__name__}: {str(e)[:300]}); check the "
-            "name, --calib-split, or pass a local --calib-file"
-        ) from None
-    if not ds.column_names:
-        raise InvalidInputError(f"Calibration dataset {name!r} has no columns")
-    column = "text" if "text" in ds.column_names else ds.column_names[0]
-    texts = [t for t in ds[column] if isinstance(t, str)]
-    if not texts:
-        raise InvalidInputError(f"Column {column!r} of calibration dataset {name!r} holds no strings; it needs a 'text' column")
     return texts
 
 

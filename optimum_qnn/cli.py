@@ -71,10 +71,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                      help="split the decoder layers into N QNN contexts compiled one at a time: lower peak memory when "
                           "lowering big models (default: %(default)s)")
     cal = parser.add_argument_group("calibration (quantized schemes)")
-    src = cal.add_mutually_exclusive_group()
-    src.add_argument("--calib-file", type=Path, help="plain text (paragraphs) or JSONL with a 'text' field")
-    src.add_argument("--calib-dataset", help="a `datasets` dataset name or path")
-    cal.add_argument("--calib-split", default="train", help="dataset split (default: %(default)s)")
+    cal.add_argument("--calib-file", type=Path, help="plain text (paragraphs) or JSONL with a 'text' field")
     cal.add_argument("--calib-limit", type=int, default=32, help="number of samples (default: %(default)s)")
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--evaluate", type=Path, metavar="TEXT_FILE",
@@ -122,9 +119,7 @@ def run_export(args: argparse.Namespace) -> int:
             _check_repo_id(args.push_to_hub)
         from optimum_qnn.calibration import CalibrationSource
 
-        calibration = CalibrationSource(
-            file=args.calib_file, dataset=args.calib_dataset, split=args.calib_split, limit=args.calib_limit
-        )
+        calibration = CalibrationSource(file=args.calib_file, limit=args.calib_limit)
         with third_party_quiet(args.verbose):
             from optimum_qnn.export import export
 

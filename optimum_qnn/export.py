@@ -428,7 +428,7 @@ def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer,
         if tokens < enough:
             logger.warning(
                 "Calibrating on only %d tokens (%d samples): too few to set activation ranges reliably (want %d or "
-                "more); pass a --calib-file or --calib-dataset with more text of the target domain",
+                "more); pass a --calib-file with more text of the target domain",
                 tokens, len(seqs), enough,
             )
     else:

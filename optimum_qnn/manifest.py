@@ -1,9 +1,11 @@
 """The runner manifest: a versioned, typed description of one exported variant.
 
 Everything a runner needs and nothing it must guess: where the model came from, what built it, what it targets,
-how it was quantized, the exact IO of every method (the runner contract), the tokenizer facts, and the sha256 of
-every file. It is plain JSON (``manifest.json`` beside ``model.pte``); ``manifest.schema.json`` in this package
-is its JSON Schema, generated from these dataclasses (`json_schema()`).
+how it was quantized, the exact IO of every method (the runner contract), the tokenizer facts, and the size and
+sha256 of every file the variant depends on: its own folder's files (``files``) and, since schema 1.1, the shared
+files of the artifact root it reads (``root_files``: config, generation config, tokenizer, chat template).
+It is plain JSON (``manifest.json`` beside ``model.pte``); ``manifest.schema.json`` in this package is its
+JSON Schema, generated from these dataclasses (`json_schema()`).
 
 Reading is strict: an unknown major version, a missing, extra or wrong-typed field, or a file name that leaves
 the variant folder raises `ManifestError`, and nothing else.
@@ -21,7 +23,8 @@ from typing import Any, Union
 
 from optimum_qnn.errors import OptimumQnnError
 
-SCHEMA_VERSION = "1.0"
+# 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified).
+SCHEMA_VERSION = "1.1"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -218,6 +221,9 @@ class Manifest:
     files: list[FileEntry]
     evaluation: Evaluation | None = None
     inspection: Inspection | None = None  # absent in manifests written before optimum-qnn recorded it
+    # The artifact root's files this variant needs, paths relative to the root (``out/config.json`` is
+    # ``config.json``); None in a 1.0 manifest, which did not list them.
+    root_files: list[FileEntry] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=False) + "\n"
@@ -296,7 +302,7 @@ def manifest_from_dict(data: Any, where: str = "manifest") -> Manifest:
             "upgrade optimum-qnn or re-export the model"
         )
     manifest = _build(Manifest, data, "manifest")
-    for entry in [manifest.program, *manifest.files]:
+    for entry in [manifest.program, *manifest.files, *(manifest.root_files or [])]:
         safe_relative_path(entry.path)
     for name in manifest.tokenizer.files:
         safe_relative_path(name)

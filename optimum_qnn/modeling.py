@@ -11,6 +11,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -61,18 +62,30 @@ def select_variant(index: dict[str, Any], soc: str | None, quant: str | None, co
     raise VariantNotFoundError(f"Several variants match soc={soc}, quant={quant}; be more specific. Available: {available}")
 
 
-def verify_files(folder: Path, manifest: Manifest, *, allowed_root: Path | None = None) -> None:
+def verify_files(
+    folder: Path, manifest: Manifest, *, root: Path | None = None, allowed_root: Path | None = None
+) -> None:
     """Check the size and sha256 of every file the manifest lists; a mismatch names the file.
 
+    ``folder`` is the variant folder; ``root``, when given, is the artifact root whose shared files (config,
+    tokenizer...) the manifest's ``root_files`` list: they are checked too, since a tampered tokenizer or config
+    changes what the model generates as surely as a tampered program. A 1.0 manifest lists no root files.
     ``allowed_root``: see `resolve_inside` (the blobs folder of a Hugging Face cache snapshot).
     """
-    for entry in manifest.files:
-        path = resolve_inside(folder, entry.path, allowed_root=allowed_root)
+    checks = [(folder, entry) for entry in manifest.files]
+    if root is not None and manifest.root_files is not None:
+        checks += [(root, entry) for entry in manifest.root_files]
+    elif root is not None:
+        logger.info("%s: a schema %s manifest lists no root files; config and tokenizer are not verified",
+                    folder, manifest.schema_version)
+    for base, entry in checks:
+        path = resolve_inside(base, entry.path, allowed_root=allowed_root)
         if not path.is_file():
-            raise ManifestError(f"{entry.path} is listed in the manifest but missing from {folder}")
+            raise ManifestError(f"{entry.path} is listed in the manifest but missing from {base}")
         if path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
             raise ManifestError(
-                f"{entry.path} does not match its manifest sha256 (corrupt or tampered download); delete it and download again"
+                f"{entry.path} does not match its manifest sha256 (corrupt or tampered file at {path}); "
+                "delete it and download or export it again"
             )
 
 
@@ -152,7 +165,7 @@ class QNNModelForCausalLM:
             raise VariantNotFoundError(f"{root} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
         variant = resolve_inside(root, entry["path"])
         manifest = read_manifest(variant)
-        verify_files(variant, manifest, allowed_root=blobs)
+        verify_files(variant, manifest, root=root, allowed_root=blobs)
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
         if device != "host":
@@ -280,7 +293,7 @@ class QNNModelForCausalLM:
             )
         if chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):
+            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
                 ids = ids["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]

@@ -87,10 +87,10 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
     else:
         config.embedding_quant.check_widths(widths)
     tokenizer = load_tokenizer(folder)
-    if tokenizer is None and config.quant.is_quantized and (calibration.file is not None or calibration.dataset is not None):
+    if tokenizer is None and config.quant.is_quantized and calibration.file is not None:
         raise InvalidInputError(
             f"{folder} has no tokenizer, so the calibration text cannot be tokenized; add the model's tokenizer "
-            "files to the folder, or drop --calib-file/--calib-dataset to calibrate on random token ids"
+            "files to the folder, or drop --calib-file to calibrate on random token ids"
         )
     if tokenizer is None and evaluate is not None:
         raise InvalidInputError("--evaluate needs the model's tokenizer, and the model folder has none")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,23 @@ def random_model_dir(tmp_path_factory) -> Path:
     return folder
 
 
+RANDOM_SOCS = ("SM8650", "SM8750", "SM8850")
+
+
+@pytest.fixture(scope="session")
+def random_kv_export(random_model_dir, tmp_path_factory, qnn_sdk):
+    """The random Gemma4 exported once, fp16 kv mode, context 32, for three SoCs (loaded and calibrated once,
+    lowered per SoC): test_export checks the per-SoC lowering, test_hub publishes and loads it."""
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.export import export
+
+    config = ExportConfig(
+        socs=tuple(Soc.parse(s) for s in RANDOM_SOCS), quant=QuantScheme.FP16, mode=ExportMode.KV,
+        shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(0, 0),
+    )
+    return export(random_model_dir, tmp_path_factory.mktemp("random-kv"), config)
+
+
 FP16_CTX, FP16_PREFILL = 96, 16
 
 
@@ -129,8 +147,9 @@ def cli_16a8w_export(demo_model_dir, tmp_path_factory, run_python):
     tmp = tmp_path_factory.mktemp("cli-16a8w")
     out = tmp / "out"
     paragraphs = tiny_gemma4.corpus().split("\n\n")
-    calib = tmp / "calib.txt"
-    calib.write_text("\n\n".join(paragraphs[:40]))
+    calib = tmp / "calib.jsonl"  # the README's form: one {"text": ...} object per line; extra keys and blank lines allowed
+    calib.write_text("".join(json.dumps({"text": p, "source": "corpus"}) + "\n" + ("\n" if i % 7 == 0 else "")
+                             for i, p in enumerate(paragraphs[:40])))
     held_out = tmp / "eval.txt"
     held_out.write_text("\n\n".join(paragraphs[-40:]))
     proc = run_python(

@@ -6,8 +6,11 @@ folder logic (staging, replacement, index), not the program. Exports killed mid-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import signal
 import subprocess
 from pathlib import Path
 
@@ -17,9 +20,9 @@ from optimum_qnn.artifacts import INDEX_NAME, ArtifactError, VariantWriter, chec
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 from optimum_qnn.contract import DECODE_METHOD, AttentionKind, LayerSpec, RunnerContract
 from optimum_qnn.lowering import LoweredProgram
-from optimum_qnn.manifest import read_manifest
+from optimum_qnn.manifest import ManifestError, read_manifest
 from optimum_qnn.models.gemma4.loading import LoadReport
-from optimum_qnn.modeling import verify_files
+from optimum_qnn.modeling import QNNModelForCausalLM, verify_files
 
 CONFIG = ExportConfig(
     socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(24, 4),
@@ -51,6 +54,8 @@ def source(tmp_path) -> Path:
     folder = tmp_path / "source"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "generation_config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text('{"model": {}}')
     (folder / "model.safetensors").write_bytes(b"\0" * 64)
     return folder
 
@@ -90,6 +95,28 @@ def test_variant_written_with_manifest_and_index(tmp_path, source, qnn_sdk):
     assert (out / "config.json").is_file() and leftovers(out) == []
 
 
+def test_manifest_hashes_the_root_files_the_variant_reads(tmp_path, source, qnn_sdk):
+    out = tmp_path / "out"
+    path = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
+    manifest = read_manifest(path)
+    assert manifest.schema_version == "1.1"
+    assert sorted(e.path for e in manifest.root_files) == ["config.json", "generation_config.json", "tokenizer.json"]
+    verify_files(path, manifest, root=out)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "generation_config.json"])
+def test_from_pretrained_refuses_a_tampered_root_file(tmp_path, source, qnn_sdk, name):
+    """The check runs before the program is loaded, so a placeholder .pte is enough to see the refusal."""
+    out = tmp_path / "out"
+    writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
+    (out / name).write_text('{"tampered": true}')
+    with pytest.raises(ManifestError, match=f"{name} does not match its manifest sha256"):
+        QNNModelForCausalLM.from_pretrained(out)
+    (out / name).unlink()
+    with pytest.raises(ManifestError, match=f"{name} is listed in the manifest but missing"):
+        QNNModelForCausalLM.from_pretrained(out)
+
+
 def test_replacing_a_variant_swaps_it_whole(tmp_path, source, qnn_sdk):
     out = tmp_path / "out"
     name = variant_name(Soc.SM8650, CONFIG)
@@ -113,17 +140,42 @@ def test_unwritable_output_folder_is_refused_up_front(tmp_path, mount_tmpfs):
         check_output_folder(out / "artifacts")
 
 
-def test_full_disk_keeps_earlier_variants(tmp_path, source, mount_tmpfs, qnn_sdk):
-    out = mount_tmpfs(512)
+@contextlib.contextmanager
+def file_size_limit(max_bytes: int):
+    """Writes past ``max_bytes`` in one file fail with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored), for this process.
+
+    Lowering a soft limit and raising it back up to the hard limit needs no privilege, so unlike a small tmpfs
+    this runs wherever the suite runs; the writer meets the same thing as on a full disk: an `OSError` from a
+    write in the middle of the variant.
+    """
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+@pytest.mark.parametrize("full", ["tmpfs", "file-size-limit"])
+def test_full_disk_keeps_earlier_variants(tmp_path, source, mount_tmpfs, qnn_sdk, full):
+    """A write that fails half-way (a full 512 KB tmpfs where mounts are allowed, else a per-file size limit)."""
+    out = mount_tmpfs(512) if full == "tmpfs" else tmp_path / "out"
     first = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(100_000), CONTRACT, CONFIG)
     index_before = (out / INDEX_NAME).read_bytes()
     bigger = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(48, 4),
                           embedding_quant=EmbeddingQuant(0, 0))
-    with pytest.raises(ArtifactError, match="No space left on device.*earlier variants are intact"):
-        writer(out, source).write_variant(variant_name(Soc.SM8650, bigger), program(1_000_000), CONTRACT, bigger)
-    verify_files(first, read_manifest(first))
+    second = writer(out, source)
+    limit = file_size_limit(512 * 1024) if full == "file-size-limit" else contextlib.nullcontext()
+    error = "File too large" if full == "file-size-limit" else "No space left on device"
+    with limit, pytest.raises(ArtifactError, match=f"{error}.*earlier variants are intact"):
+        second.write_variant(variant_name(Soc.SM8650, bigger), program(1_000_000), CONTRACT, bigger)
+    verify_files(first, read_manifest(first), root=out)
     assert (out / INDEX_NAME).read_bytes() == index_before
     assert leftovers(out) == [] and not (out / "qnn/sm8650/fp16-ctx48-kv").exists()
+    if full == "file-size-limit":  # the limit is lifted again: the same write now succeeds
+        second.write_variant(variant_name(Soc.SM8650, bigger), program(1_000_000), CONTRACT, bigger)
 
 
 def test_staging_folders_of_killed_exports_are_removed(tmp_path):

@@ -19,11 +19,17 @@ import torch
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 
 from tests.conftest import FP16_PREFILL as PREFILL
+from tests.conftest import RANDOM_SOCS
 
-FP16_MIN_SQNR_DB = 30.0
-# 16a8w hybrid on the demo model, 33 tokens against fp32: measured mean SQNR 41.6 dB (min 29.8) and top-1 1.00 for
-# each method alone and for prefill-then-decode (the issue asks for >= 20 dB).
-A16W8_MIN_SQNR_DB = 38.0
+# fp16 hybrid on the demo model, per-step logits SQNR against Hugging Face over 32 greedy steps: measured min 53.2
+# (mean 59.6) dB for the 4-token prompt, min 48.8 (mean 59.1) dB for the 31-token one.
+FP16_MIN_SQNR_DB = 46.0
+# The random bf16 checkpoint's fp16 .pte against fp32 of the same weights: measured 31.3 dB over 21 tokens.
+BF16_MIN_SQNR_DB = 30.0
+# 16a8w hybrid on the demo model calibrated from the JSONL file, 33 tokens against fp32: measured mean SQNR 45.4 dB
+# (min 34.3) and top-1 1.00 for each method alone and for prefill-then-decode; --evaluate on 189 held-out tokens:
+# 43.5 dB, top-1 0.979 (the issue asks for >= 20 dB).
+A16W8_MIN_SQNR_DB = 42.0
 A16W8_MIN_TOP1 = 0.96
 
 
@@ -108,7 +114,11 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     out, proc = cli_16a8w_export
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
+    from optimum_qnn.calibration import CalibrationSource
+
     paragraphs = tiny_gemma4.corpus().split("\n\n")
+    # The JSONL calibration file (the README's form) reads as the paragraphs it was written from.
+    assert CalibrationSource(file=out.parent / "calib.jsonl", limit=8).texts() == [p for p in paragraphs[:40] if p.strip()][:8]
     assert "Delegation (SM8650)" in proc.stdout and "Quantization:" in proc.stdout
     # --shards 2: two QNN contexts per method, handing over through one CPU-side identity op.
     delegation = proc.stdout.split("Delegation (SM8650)")[1]
@@ -176,14 +186,12 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     assert "Lowering for SM8650: 2/2 shards done" in proc.stderr  # the bar followed the two shards' compilation
 
 
-def test_one_export_per_soc(random_model_dir, tmp_path, qnn_sdk):
+def test_one_export_per_soc(random_kv_export):
     """--soc with several SoCs: loaded and exported once, lowered per SoC; each binary names its SoC."""
-    from optimum_qnn.export import export
     from optimum_qnn.lowering import read_qnn_delegates
 
-    socs = (Soc.SM8550, Soc.SM8750, Soc.SM8850)
-    config = ExportConfig(socs=socs, quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(0, 0))
-    result = export(random_model_dir, tmp_path, config)
+    result = random_kv_export
+    socs = tuple(Soc.parse(s) for s in RANDOM_SOCS)
     assert [s.name for s in result.stages].count("load") == 1
     assert len(result.variants) == 3
     for soc, variant in zip(socs, result.variants):
@@ -265,10 +273,14 @@ def test_bf16_checkpoint_exports_with_tables_in_stored_dtype(tmp_path, qnn_sdk):
     result = export(folder, tmp_path / "out", config)
     model = QNNModelForCausalLM.from_pretrained(tmp_path / "out")
     ids = torch.tensor([2] + list(range(10, 30)))
-    ref = StaticCausalLM.from_hf(load_text_model(folder)[0], max_context_len=32).session().feed(ids)
+    hf = load_text_model(folder)[0]
+    ref = StaticCausalLM.from_hf(hf, max_context_len=32).session().feed(ids)
     got = model._session.feed(ids)
+    with torch.no_grad():
+        greedy = hf.generate(ids.unsqueeze(0), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     print(f"bf16 checkpoint, fp16 .pte vs fp32: {mean_sqnr_db(got, ref):.1f} dB; stages:\n{result.stage_table()}")
-    assert mean_sqnr_db(got, ref) >= FP16_MIN_SQNR_DB
+    assert mean_sqnr_db(got, ref) >= BF16_MIN_SQNR_DB
+    assert model.generate(ids, max_new_tokens=8, eos_token_id=[]).tolist() == greedy.tolist()
 
 
 def test_defaults_fit_a_model_48_wide(tmp_path, monkeypatch, qnn_sdk):

@@ -22,9 +22,13 @@ import pytest
 
 from optimum_qnn.artifacts import INDEX_NAME
 
+# The repositories olah serves are git repositories built here (README: `make test` needs git).
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the Hub tests build git repositories: install git")
+
 ORG = "optimum-qnn-test"
 REPO = f"{ORG}/gemma4-tiny-qnn"
 PUSHED_REPO = f"{ORG}/gemma4-tiny-pushed"
+SOURCE_REPO = f"{ORG}/gemma4-tiny-source"  # the random model's checkpoint, exported by Hub id
 PROMPT = [2, 5, 7, 11]
 V8650 = "qnn/sm8650/fp16-ctx32-kv"
 V8750 = "qnn/sm8750/fp16-ctx32-kv"
@@ -69,32 +73,32 @@ for action in json.loads(sys.argv[1]):
 # --- the artifact and the server ------------------------------------------------------------------------------
 
 
+def _keep_variants(folder: Path, keep: set[str]) -> None:
+    """Delete every variant of ``folder`` but ``keep`` and list only those in its index."""
+    from optimum_qnn.artifacts import atomic_write_text, read_index
+
+    index = read_index(folder)
+    for v in index["variants"]:
+        if v["path"] not in keep:
+            shutil.rmtree(folder / v["path"])
+    index["variants"] = [v for v in index["variants"] if v["path"] in keep]
+    atomic_write_text(folder / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+
+
 @pytest.fixture(scope="module")
-def artifacts(random_model_dir, tmp_path_factory, qnn_sdk):
-    """A real export: ``v1`` holds the SM8650 variant only; ``full`` adds SM8750 (same folder, second export)."""
-    from optimum_qnn.config import (
-        EmbeddingQuant,
-        ExportConfig,
-        ExportMode,
-        QuantScheme,
-        ShapeConfig,
-        Soc,
-    )
-    from optimum_qnn.export import export
+def artifacts(random_kv_export, tmp_path_factory):
+    """The session's export of the random model (shared with test_export): ``v1`` holds its SM8650 variant only,
+    ``full`` SM8650 and SM8750."""
     from optimum_qnn.hub import write_model_card
 
     base = tmp_path_factory.mktemp("hub-artifacts")
     full, v1 = base / "full", base / "v1"
-    for soc in (Soc.SM8650, Soc.SM8750):
-        config = ExportConfig(
-            socs=(soc,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4),
-            embedding_quant=EmbeddingQuant(0, 0),
-        )
-        export(random_model_dir, full, config)
-        if soc is Soc.SM8650:
-            write_model_card(full)
-            shutil.copytree(full, v1)
+    shutil.copytree(random_kv_export.output, full)
+    _keep_variants(full, {V8650, V8750})
     write_model_card(full)
+    shutil.copytree(full, v1)
+    _keep_variants(v1, {V8650})
+    write_model_card(v1)
     return {"v1": v1, "full": full}
 
 
@@ -122,9 +126,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def hub(artifacts, tmp_path_factory):
+def hub(artifacts, random_model_dir, tmp_path_factory):
     """olah on 127.0.0.1 serving ``REPO``: tag ``v1`` (SM8650 only), ``main`` (both SoCs), branch ``tampered``
-    (main with one byte of the SM8750 model.pte flipped)."""
+    (main with one byte of the SM8750 model.pte flipped), branch ``tampered-config`` (main with another
+    config.json); and ``SOURCE_REPO``: the random checkpoint plus a pickle file the exporter must not download."""
     base = tmp_path_factory.mktemp("olah")
     mirrors = base / "mirrors"
     repo = mirrors / "models" / REPO
@@ -140,10 +145,22 @@ def hub(artifacts, tmp_path_factory):
     pte.write_bytes(bytes(data))
     _git(repo, "commit", "-q", "-am", "tamper")
     _git(repo, "switch", "-q", "main")
+    _git(repo, "switch", "-q", "-c", "tampered-config")
+    (repo / "config.json").write_text((repo / "config.json").read_text().replace("{", '{"edited": true, ', 1))
+    _git(repo, "commit", "-q", "-am", "tamper the config")
+    _git(repo, "switch", "-q", "main")
+
+    source = mirrors / "models" / SOURCE_REPO
+    source.mkdir(parents=True)
+    _git(source, "init", "-q", "-b", "main")
+    shutil.copytree(random_model_dir, source, dirs_exist_ok=True)
+    (source / "pytorch_model.bin").write_bytes(b"not to be downloaded")
+    _git(source, "add", "-A")
+    _git(source, "commit", "-q", "-m", "random Gemma4")
 
     port = _free_port()
-    config = base / "olah.toml"
-    config.write_text(
+    olah_config = base / "olah.toml"
+    olah_config.write_text(
         "[basic]\n"
         f'host = "127.0.0.1"\nport = {port}\n'
         f'repos-path = "{base / "cache"}"\nmirrors-path = ["{mirrors}"]\n'
@@ -154,7 +171,7 @@ def hub(artifacts, tmp_path_factory):
     )
     with open(base / "olah.out", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "olah.server", "--config", str(config), "--log-path", str(base / "logs")],
+            [sys.executable, "-m", "olah.server", "--config", str(olah_config), "--log-path", str(base / "logs")],
             stdout=log, stderr=subprocess.STDOUT, cwd=base,
         )
         endpoint = f"http://127.0.0.1:{port}"
@@ -179,28 +196,31 @@ def hub(artifacts, tmp_path_factory):
                 proc.wait()
 
 
+def hub_env(hub, hf_home: Path, *, offline: bool = False) -> dict[str, str]:
+    """The environment of a child process that talks to ``hub`` (or, offline, to nothing) with cache ``hf_home``."""
+    return {
+        **{k: os.environ[k] for k in ("QNN_SDK_ROOT", "OPTIMUM_QNN_CACHE") if k in os.environ},
+        "HF_HOME": str(hf_home),
+        "HF_HUB_CACHE": str(hf_home / "hub"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_TOKEN": "",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+        # Offline runs get a dead endpoint too: a network request would fail loudly rather than succeed.
+        "HF_ENDPOINT": "http://127.0.0.1:9" if offline else hub["endpoint"],
+        "HF_HUB_OFFLINE": "1" if offline else "0",
+    }
+
+
 @pytest.fixture(scope="module")
 def client(hub, run_python, tmp_path_factory):
     """``client(actions, hf_home, offline=False)``: run the actions in a fresh process; returns their results."""
     script = tmp_path_factory.mktemp("client") / "client.py"
     script.write_text(CLIENT)
-    sdk_env = {k: os.environ[k] for k in ("QNN_SDK_ROOT", "OPTIMUM_QNN_CACHE") if k in os.environ}
 
     def run(actions: list[dict], hf_home: Path, *, offline: bool = False) -> list[dict]:
-        env = {
-            **sdk_env,
-            "HF_HOME": str(hf_home),
-            "HF_HUB_CACHE": str(hf_home / "hub"),
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": "",
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
-            # Offline runs get a dead endpoint too: a network request would fail loudly rather than succeed.
-            "HF_ENDPOINT": "http://127.0.0.1:9" if offline else hub["endpoint"],
-            "HF_HUB_OFFLINE": "1" if offline else "0",
-        }
-        proc = run_python(str(script), json.dumps(actions), env=env, timeout=600)
+        proc = run_python(str(script), json.dumps(actions), env=hub_env(hub, hf_home, offline=offline), timeout=600)
         results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert len(results) == len(actions), proc.stdout + proc.stderr
         return results
@@ -298,6 +318,13 @@ def test_tampered_file_in_served_repo_fails_sha256(client, tmp_path):
     assert "model.pte" in res["message"] and "sha256" in res["message"]
 
 
+def test_tampered_root_file_in_served_repo_fails_sha256(client, tmp_path):
+    """The manifest also hashes the shared root files a variant reads: a changed config.json is refused by name."""
+    (res,) = client([{"kind": "load", "repo": REPO, "soc": "SM8650", "revision": "tampered-config", "prompt": PROMPT}], tmp_path / "hf")
+    assert res["error"] == "ManifestError", res
+    assert "config.json" in res["message"] and "sha256" in res["message"]
+
+
 def test_tampered_file_in_cache_fails_sha256(client, shared_cache, tmp_path):
     if not (shared_cache / "hub").exists():
         client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "main", "prompt": PROMPT}], shared_cache)
@@ -328,6 +355,61 @@ def test_not_found_errors_are_clear(client, tmp_path):
     assert no_variant["error"] == "VariantNotFoundError", no_variant
     assert "soc=SM8550" in no_variant["message"]
     assert "SM8650/fp16/ctx32/kv" in no_variant["message"] and "SM8750/fp16/ctx32/kv" in no_variant["message"]
+
+
+# --- exporting from a Hub model id -----------------------------------------------------------------------------
+
+
+# The CLI in a child process, with `GitHubApi` (below) in place of `HfApi`: pushes become commits in olah's mirrors.
+CLI_WITH_GIT_HUB = r"""
+import os, sys
+from pathlib import Path
+import huggingface_hub
+from tests.test_hub import GitHubApi
+GitHubApi.root, GitHubApi.calls = Path(os.environ["GIT_HUB_MIRRORS"]), []
+huggingface_hub.HfApi = GitHubApi
+from optimum_qnn.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_export_from_a_hub_model_id_and_push(hub, client, random_model_dir, local_tokens, run_python, tmp_path):
+    """`optimum-qnn export --model <repo id> --push-to-hub <repo>` end to end: the checkpoint comes through the Hub
+    client (only the files the exporter reads), the manifest records the repo and revision, the variant generates
+    what the local export does, and the pushed repo downloads back byte for byte."""
+    from huggingface_hub import ModelCard
+
+    from optimum_qnn.manifest import read_manifest, sha256_file
+    from optimum_qnn.modeling import QNNModelForCausalLM
+
+    out, hf_home, pushed = tmp_path / "out", tmp_path / "hf", f"{ORG}/gemma4-tiny-cli-pushed"
+    proc = run_python(
+        "-c", CLI_WITH_GIT_HUB, "export", "--model", SOURCE_REPO, "--revision", "main", "--output", str(out),
+        "--soc", "SM8650", "--quant", "fp16", "--mode", "kv", "--max-seq-len", "32", "--prefill-ar-len", "4",
+        "--embedding-quant", "none", "--push-to-hub", pushed,
+        env={**hub_env(hub, hf_home), "GIT_HUB_MIRRORS": str(hub["mirrors"]), **GIT_ENV}, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (snapshot,) = (hf_home / "hub" / f"models--{SOURCE_REPO.replace('/', '--')}" / "snapshots").iterdir()
+    downloaded = sorted(p.name for p in snapshot.iterdir())
+    assert "pytorch_model.bin" not in downloaded and "model.safetensors" in downloaded, downloaded
+    manifest = read_manifest(out / V8650)
+    assert (manifest.source.model_id, manifest.source.revision) == (SOURCE_REPO, "main")
+    assert [(e.path, e.sha256) for e in manifest.source.weight_files] == [
+        ("model.safetensors", sha256_file(random_model_dir / "model.safetensors"))
+    ]
+    model = QNNModelForCausalLM.from_pretrained(out)
+    assert model.generate(PROMPT, max_new_tokens=4).reshape(-1).tolist() == local_tokens["SM8650"]
+
+    # --push-to-hub: a root commit and one per variant, printed by the CLI; the repo reads back as the folder.
+    assert proc.stdout.count("pushed ") == 2, proc.stdout[-2000:]
+    assert ModelCard((out / "README.md").read_text()).data.base_model == SOURCE_REPO  # the source was a Hub id
+    (res,) = client([{"kind": "snapshot", "repo": pushed, "revision": "main"}], tmp_path / "hf-read")
+    assert "error" not in res, res
+    local = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert res["files"] == local
+    for name in local:
+        assert (Path(res["root"]) / name).read_bytes() == (out / name).read_bytes(), name
 
 
 # --- publishing -----------------------------------------------------------------------------------------------

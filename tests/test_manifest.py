@@ -36,7 +36,7 @@ from optimum_qnn.manifest import (
 def sample() -> Manifest:
     entry = FileEntry("model.pte", 10, "ab" * 32)
     return Manifest(
-        schema_version="1.0",
+        schema_version="1.1",
         source=Source("google/gemma-4-e2b", "main", [FileEntry("model.safetensors", 5, "cd" * 32)]),
         versions=Versions("0.1.0", "1.5.1", "2.13.0", "5.23.0", "v2.49.40.260810104044"),
         target=Target("SM8650", 75),
@@ -49,6 +49,7 @@ def sample() -> Manifest:
         tokenizer=TokenizerInfo(["tokenizer.json"], 2, [1], 0, None),
         program=entry,
         files=[entry],
+        root_files=[FileEntry("config.json", 3, "ef" * 32), FileEntry("tokenizer.json", 4, "01" * 32)],
     )
 
 
@@ -79,6 +80,7 @@ def test_schema_file_matches_the_dataclasses():
         (lambda d: d["program"].update(path="../../etc/passwd"), "points outside"),
         (lambda d: d["files"][0].update(path="/etc/passwd"), "points outside"),
         (lambda d: d["tokenizer"].update(files=["..\\x"]), "points outside"),
+        (lambda d: d["root_files"][0].update(path="../config.json"), "points outside"),
         (lambda d: d["contract"].update(weight_sharing="no"), "expected true/false"),
     ],
 )
@@ -87,6 +89,15 @@ def test_rejects_malformed(mutate, message):
     mutate(d)
     with pytest.raises(ManifestError, match=message):
         manifest_from_dict(d)
+
+
+def test_a_1_0_manifest_without_root_files_still_reads():
+    """Manifests written before schema 1.1 did not list the artifact root's files; they load, unverified there."""
+    d = as_dict(sample())
+    d["schema_version"] = "1.0"
+    del d["root_files"]
+    m = manifest_from_dict(d)
+    assert m.root_files is None and m.files == sample().files
 
 
 def test_unreadable_file(tmp_path):

@@ -10,8 +10,8 @@ import torch
 
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQnnError
 from optimum_qnn.manifest import ManifestError
-from optimum_qnn.modeling import QNNModelForCausalLM, VariantNotFoundError
-from tests.conftest import FP16_CTX
+from optimum_qnn.modeling import QNNModelForCausalLM, VariantNotFoundError, _pick
+from tests.conftest import FP16_CTX, FP16_PREFILL
 
 
 class Collect:
@@ -39,6 +39,125 @@ def test_streamer_sampling_and_stats(fp16_model):
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
+
+
+def test_constant_metadata_methods_read_back_from_the_pte(fp16_export, demo_model_dir):
+    """The .pte's constant methods (what ExecuTorch's Qualcomm LLM runner reads) hold the demo model's values,
+    read back through the ExecuTorch runtime and checked against its config.json, not the exporter's own code."""
+    from executorch.runtime import Runtime
+
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    program = Runtime.get().load_program(fp16_export.variants[0] / "model.pte")
+    expected = {
+        "get_max_seq_len": FP16_CTX, "get_max_context_len": FP16_CTX, "get_ar_len": FP16_PREFILL,
+        "get_vocab_size": config["vocab_size"], "get_dim": config["hidden_size"], "get_n_layers": config["num_hidden_layers"],
+        "get_head_dim": config["head_dim"], "get_global_head_dim": config["per_layer_config"]["2"]["head_dim"],
+        "get_n_kv_heads": config["num_key_value_heads"], "get_sliding_window": config["sliding_window"],
+        "get_n_self_layers": config["num_hidden_layers"] - config["num_kv_shared_layers"],
+        "get_num_kv_shared_layers": config["num_kv_shared_layers"],
+        "get_bos_id": config["bos_token_id"], "get_eos_id": config["eos_token_id"],
+        "get_max_batch_size": 1, "get_use_kv_cache": True, "get_kv_io_bit_width": 32,
+    }
+    assert set(expected) <= set(program.method_names)
+    got = {name: program.load_method(name).execute([])[0] for name in expected}
+    assert got == expected
+
+
+# A minimal template (the demo tokenizer ships none): what `chat=True` must render and tokenize.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}model:{% endif %}"
+
+
+def test_text_generation_plain_and_chat(fp16_model, demo_model_dir):
+    """The README's headline call: text in, text out, with and without the chat template, equal to Hugging Face
+    greedy decoding of the same prompt ids."""
+    from transformers import AutoTokenizer
+
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    hf = load_text_model(demo_model_dir)[0]
+
+    def hf_text(ids: list[int]) -> str:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        return tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+
+    prompt = "The for statement"
+    plain = fp16_model.text_generation(tok, prompt, max_new_tokens=12, eos_token_id=[])
+    assert fp16_model.stats.prompt_tokens == len(tok(prompt)["input_ids"])
+    assert plain == hf_text(tok(prompt)["input_ids"]) and plain.strip()
+
+    tok.chat_template = CHAT_TEMPLATE
+    chat = fp16_model.text_generation(tok, prompt, chat=True, max_new_tokens=12, eos_token_id=[])
+    chat_ids = tok(f"user: {prompt}\nmodel:", add_special_tokens=False)["input_ids"]
+    assert fp16_model.stats.prompt_tokens == len(chat_ids)
+    assert chat == hf_text(chat_ids) and chat.strip()
+    print(f"text_generation: {plain!r}; chat: {chat!r}")
+
+
+# --- sampling: `_pick` against the distributions it must draw from (synthetic logits, no export) --------------
+
+SAMPLES = 4000
+
+
+def draw(logits: torch.Tensor, seed: int = 0, **kwargs) -> torch.Tensor:
+    """Token counts of SAMPLES draws of `_pick(logits, do_sample=True, **kwargs)`."""
+    gen = torch.Generator().manual_seed(seed)
+    args = {"temperature": 1.0, "top_k": None, "top_p": None, **kwargs}
+    picks = [_pick(logits, True, args["temperature"], args["top_k"], args["top_p"], gen) for _ in range(SAMPLES)]
+    return torch.bincount(torch.tensor(picks), minlength=logits.numel()).double()
+
+
+def assert_frequencies(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    """Every token's count lies within 5 binomial standard deviations of ``probs`` (tokens of p=0 never drawn);
+    the draws are seeded, so this either always passes or always fails."""
+    expected = probs.double() * SAMPLES
+    sd = (expected * (1 - probs.double())).sqrt()
+    assert torch.equal(counts > 0, probs > 0), (counts.tolist(), probs.tolist())
+    assert ((counts - expected).abs() <= 5 * sd + 1e-9).all(), (counts.tolist(), expected.tolist())
+
+
+def entropy(counts: torch.Tensor) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def test_top_k_1_is_greedy():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(257, generator=gen) * 3
+        for t in (0.3, 1.0, 5.0):
+            assert _pick(logits, True, t, 1, None, gen) == _pick(logits, False, t, None, None, None) == int(logits.argmax())
+
+
+def test_top_k_keeps_the_k_best_in_proportion():
+    logits = torch.tensor([2.0, 0.5, 1.5, -1.0, 1.0, 0.0])
+    probs = torch.zeros(6)
+    probs[[0, 2, 4]] = torch.softmax(logits[[0, 2, 4]], -1)
+    assert_frequencies(draw(logits, top_k=3), probs)
+
+
+def test_top_p_keeps_exactly_the_nucleus():
+    """Probabilities 0.5, 0.25, 0.15, 0.07, 0.03: top_p=0.8 keeps the smallest set reaching 0.8, i.e. the first
+    three (0.5 + 0.25 = 0.75 falls short; the token that crosses is kept), renormalized to 0.5/0.9, ..."""
+    probs = torch.tensor([0.03, 0.5, 0.07, 0.25, 0.15])  # shuffled: the nucleus is found by sorting
+    logits = probs.log()
+    nucleus = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.15]) / 0.9
+    assert_frequencies(draw(logits, top_p=0.8), nucleus)
+    assert_frequencies(draw(logits, top_p=0.4), torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]))  # the top token alone
+    assert_frequencies(draw(logits, top_p=1.0), probs)  # 1.0 disables the filter
+
+
+def test_temperature_scales_the_distribution():
+    """Draws follow softmax(logits / T): T < 1 sharpens (lower entropy), T > 1 flattens."""
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.5, 0.0])
+    counts = {t: draw(logits, temperature=t) for t in (0.5, 1.0, 2.0)}
+    for t, c in counts.items():
+        assert_frequencies(c, torch.softmax(logits / t, -1))
+    assert entropy(counts[0.5]) < entropy(counts[1.0]) < entropy(counts[2.0])
+    with pytest.raises(InvalidInputError, match="temperature must be > 0"):
+        _pick(logits, True, 0.0, None, None, None)
 
 
 def test_kv_mode_greedy_matches_hf_for_32_tokens(demo_kv_export, demo_model_dir):
@@ -110,7 +229,7 @@ def test_truncated_program_with_matching_manifest_is_refused_cleanly(artifact_co
     d = json.loads(m.to_json())
     d["program"] = d["files"][0] = {"path": entry.path, "size": entry.size, "sha256": entry.sha256}
     (variant / "manifest.json").write_text(json.dumps(d))
-    index = json.loads((root / "qnn_index.json").read_text())
+    index_before = (root / "qnn_index.json").read_bytes()
     with pytest.raises(OptimumQnnError, match="corrupt or not an ExecuTorch program"):
         QNNModelForCausalLM.from_pretrained(root)
-    assert index  # the index was not touched
+    assert (root / "qnn_index.json").read_bytes() == index_before  # a refused load writes nothing

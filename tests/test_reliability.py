@@ -2,6 +2,9 @@
 
 - An export killed with SIGKILL (during calibration, during lowering) leaves every earlier variant and the index
   byte for byte as they were and nothing that looks like a variant; a re-run then succeeds.
+- A variant write killed inside its write/swap window (the staged variant complete but not yet in place; the new
+  variant swapped in but the old one not yet deleted nor the index updated) leaves the variant either exactly as it
+  was or wholly replaced and verifying; the next export removes what the killed one left.
 - A soak test (slow: minutes of emulator steps): 200 generate calls on one loaded model keep RSS flat and give
   the same tokens every time.
 """
@@ -84,6 +87,86 @@ def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(demo_mo
     assert {k: v for k, v in after.items() if k.startswith("qnn/sm8650/fp16")} == {
         k: v for k, v in before.items() if k.startswith("qnn/sm8650/fp16")
     }
+
+
+# Rewrites variant VARIANT of artifact folder argv[1] with a placeholder program of argv[2] bytes, through the real
+# `VariantWriter` (what an export's last stage runs); the test stops it inside the window with STOP_AT_ENV.
+REWRITE = r"""
+import sys
+from pathlib import Path
+from optimum_qnn.artifacts import VariantWriter
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+from optimum_qnn.lowering import LoweredProgram
+from optimum_qnn.manifest import read_manifest
+from optimum_qnn.models.gemma4.loading import LoadReport, read_text_config
+
+out, size, source = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+variant = "qnn/sm8650/fp16-ctx64-kv"
+contract = read_manifest(out / variant).runner_contract()
+config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(64, 4),
+                      embedding_quant=EmbeddingQuant(0, 0))
+writer = VariantWriter(out, source_folder=source, model_id=str(source), revision=None,
+                       load_report=LoadReport(files=["model.safetensors"]), tokenizer=None,
+                       text_config=read_text_config(source))
+program = LoweredProgram(buffer=b"\x07" * size, delegation={}, weight_sharing=False, soc=Soc.SM8650)
+writer.write_variant(variant, program, contract, config)
+print("written")
+"""
+
+
+def stop_and_kill(out: Path, source: Path, point: str) -> None:
+    """Run REWRITE until it stops itself at ``point``, then SIGKILL it there."""
+    import os
+
+    from optimum_qnn.artifacts import STOP_AT_ENV
+
+    env = {**child_env(), STOP_AT_ENV: point}
+    for key in ("QNN_SDK_ROOT", "OPTIMUM_QNN_CACHE"):  # the writer records the SDK build id
+        if key in os.environ:
+            env[key] = os.environ[key]
+    proc = subprocess.Popen([sys.executable, "-c", REWRITE, str(out), "5000", str(source)], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)  # returns when the child stops (or ends)
+        assert os.WIFSTOPPED(status), f"did not stop at {point}: {proc.communicate()}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_inside_the_write_and_swap_window(demo_model_dir, demo_kv_export, tmp_path):
+    from optimum_qnn.artifacts import check_output_folder, read_index
+    from optimum_qnn.manifest import read_manifest
+    from optimum_qnn.modeling import verify_files
+
+    variant = "qnn/sm8650/fp16-ctx64-kv"
+    out = tmp_path / "out"
+    shutil.copytree(demo_kv_export, out)
+    before = snapshot(out)
+
+    # Staged but not swapped in: every visible file as it was; only a hidden staging folder is new.
+    stop_and_kill(out, demo_model_dir, "variant-staged")
+    after = snapshot(out)
+    staged = {k: v for k, v in after.items() if k.startswith(".staging-")}
+    assert {k: v for k, v in after.items() if k not in staged} == before
+    assert any(k.endswith("/model.pte") for k in staged)
+    check_output_folder(out)  # what the next export runs first
+    assert snapshot(out) == before
+
+    # Swapped in, old copy not yet deleted, index not yet rewritten: the variant is wholly the new one and verifies.
+    stop_and_kill(out, demo_model_dir, "variant-swapped")
+    folder = out / variant
+    assert (folder / "model.pte").read_bytes() == b"\x07" * 5000
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest, root=out)
+    assert [v["path"] for v in read_index(out)["variants"]] == [variant]
+    (leftover,) = [p for p in out.iterdir() if p.name.startswith(".staging-")]  # the old variant, exchanged out
+    assert snapshot(leftover) == {k[len(variant) + 1 :]: v for k, v in before.items() if k.startswith(variant + "/")}
+    check_output_folder(out)
+    assert not [p for p in out.iterdir() if p.name.startswith(".staging-")]
 
 
 def _rss_mb() -> float:

@@ -8,7 +8,11 @@ import torch
 from optimum_qnn.ops.mask import MASK_MIN, attention_mask
 
 
-def brute(ar, ctx, n_past, window):
+def brute(ar, ctx, n_past, window, n_valid=None):
+    """Row i is the token at position n_past + i; a column is open when it holds a real token of an earlier or
+    the same position within the window. With ``n_valid``, the call's tokens from n_valid on are padding: real
+    tokens never attend to them, and padding rows attend only the real tokens before them (never a padding
+    column, not even their own: no row of the call ever reads a padding token's K/V)."""
     cache = ctx - ar
     out = torch.full((ar, ctx), MASK_MIN)
     for i in range(ar):
@@ -16,6 +20,8 @@ def brute(ar, ctx, n_past, window):
         for col in range(ctx):
             pos = col if col < cache else n_past + (col - cache)
             valid = col < n_past if col < cache else (col - cache) <= i
+            if col >= cache and n_valid is not None and col - cache >= n_valid:
+                valid = False
             if valid and (window is None or q - pos < window):
                 out[i, col] = 0.0
     return out
@@ -24,6 +30,18 @@ def brute(ar, ctx, n_past, window):
 @pytest.mark.parametrize("ar,ctx,n_past,window", [(1, 8, 0, None), (1, 8, 7, 3), (3, 10, 4, None), (3, 10, 7, 2), (4, 12, 5, 4)])
 def test_mask_matches_definition(ar, ctx, n_past, window):
     assert torch.equal(attention_mask(ar, ctx, n_past, window=window)[0, 0], brute(ar, ctx, n_past, window))
+
+
+@pytest.mark.parametrize(
+    "ar,ctx,n_past,window,n_valid",
+    [(4, 12, 0, None, 1), (4, 12, 5, None, 3), (4, 12, 5, 3, 2), (6, 16, 10, 4, 5), (4, 12, 8, 2, 3), (3, 9, 6, None, 0)],
+)
+def test_padded_call_matches_definition(ar, ctx, n_past, window, n_valid):
+    """A prefill call with fewer real tokens than ar_len (what the runner builds for the last chunk of a prompt)."""
+    got = attention_mask(ar, ctx, n_past, window=window, n_valid=n_valid)[0, 0]
+    assert torch.equal(got, brute(ar, ctx, n_past, window, n_valid))
+    # Causality alone keeps padding from the real rows; the n_valid branch is what closes it to the padding rows.
+    assert not torch.equal(got, attention_mask(ar, ctx, n_past, window=window)[0, 0])
 
 
 def test_n_past_outside_cache_raises():

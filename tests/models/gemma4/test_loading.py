@@ -77,6 +77,20 @@ def test_missing_tensor_fails_loudly(tmp_path):
         load_text_model(tmp_path)
 
 
+def test_unexpected_tensor_fails_loudly(tmp_path):
+    """A text tensor the config's model has no place for (here: one layer past the last of the config) is refused,
+    never silently dropped: it means the checkpoint and its config disagree."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model(tiny_config()).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    n = tiny_config().num_hidden_layers
+    sd[f"model.layers.{n}.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].clone()
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"0 missing.*1 unexpected.*model\.layers\.{n}\.mlp\.up_proj"):
+        load_text_model(tmp_path)
+
+
 def test_unknown_model_type_and_no_config(tmp_path):
     with pytest.raises(CheckpointError, match="No config.json"):
         load_text_model(tmp_path)
