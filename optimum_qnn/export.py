@@ -166,7 +166,10 @@ def export(
     created = first_missing(result.output)
     try:
         check_output_folder(result.output)  # fail in a second, not after calibration and lowering
-        return _export(str(model), result, config, revision, calibration, texts, allow_pickle, evaluate, evaluate_tokens)
+        return _export(
+            str(model), result, config, revision, calibration, texts, allow_pickle, evaluate, evaluate_tokens,
+            check_weight_sharing,
+        )
     except BaseException:
         if created is not None and not result.variants:
             shutil.rmtree(created, ignore_errors=True)  # the folders this export made, and nothing that was there
@@ -177,7 +180,8 @@ def export(
 
 
 def _export(model: str, result: ExportResult, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
-            texts: list[str] | None, allow_pickle: bool, evaluate: Path | None, evaluate_tokens: int) -> ExportResult:
+            texts: list[str] | None, allow_pickle: bool, evaluate: Path | None, evaluate_tokens: int,
+            check_weight_sharing: bool) -> ExportResult:
     output = result.output
     with _stage(result, "load"):
         folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
