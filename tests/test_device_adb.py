@@ -283,7 +283,7 @@ def test_wrong_soc_and_no_room_push_nothing(artifact, setup, phone):
 
 def test_missing_runner_libraries_and_old_qairt(artifact, setup, phone, monkeypatch, tmp_path):
     runner = os.environ.pop("QNN_LLAMA_RUNNER")
-    with pytest.raises(DeviceError, match="No qnn_llama_runner given.*tools/build_qnn_llama_runner.sh"):
+    with pytest.raises(DeviceError, match="No qnn_llama_runner given.*backends/qualcomm/scripts/build.sh"):
         load(artifact)
     with pytest.raises(DeviceError, match="does not exist"):
         load(artifact, runner=tmp_path / "nowhere")
@@ -353,8 +353,8 @@ def test_run_command_streams_text_and_prints_stats(artifact, setup, phone, token
 REAL_RUNNER = os.environ.get("QNN_LLAMA_RUNNER")
 real_runner = pytest.mark.skipif(
     not REAL_RUNNER,
-    reason="QNN_LLAMA_RUNNER is not set: build ExecuTorch's qnn_llama_runner for x86 with "
-    "tools/build_qnn_llama_runner.sh (see the README section 'Run on a phone') and point QNN_LLAMA_RUNNER at it",
+    reason="QNN_LLAMA_RUNNER is not set: build ExecuTorch's qnn_llama_runner for x86 with ExecuTorch's "
+    "backends/qualcomm/scripts/build.sh (see the README section 'Run on a phone') and point QNN_LLAMA_RUNNER at it",
 )
 A16W8_CTX, A16W8_PREFILL = 64, 16
 
