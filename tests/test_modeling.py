@@ -156,7 +156,7 @@ def test_temperature_scales_the_distribution():
     for t, c in counts.items():
         assert_frequencies(c, torch.softmax(logits / t, -1))
     assert entropy(counts[0.5]) < entropy(counts[1.0]) < entropy(counts[2.0])
-    with pytest.raises(InvalidInputError, match="temperature must be > 0"):
+    with pytest.raises(InvalidInputError, match="temperature must be a finite number > 0"):
         _pick(logits, True, 0.0, None, None, None)
 
 

@@ -620,7 +620,9 @@ def test_chunked_weight_quantization_equals_reference_with_bounded_temporaries()
         got, got_extra = peak_extra_mb(lambda: op(w, scales, zeros, 0, -8, 7, torch.int8))
         other_axis = op(w[:1024], torch.ones(512), torch.zeros(512, dtype=torch.int64), 1, -8, 7, torch.int8)
     assert torch.equal(got, ref) and got.dtype == torch.int8
-    assert got_extra < 400 < 1000 < ref_extra, (got_extra, ref_extra)
+    # The reference holds two full-size fp32 temporaries (2 x 512 MB); RSS growth under-counts them by whatever pages
+    # earlier frees left resident (measured 999.97 MB once), so the bound is one and a half of them.
+    assert got_extra < 400 < 768 < ref_extra, (got_extra, ref_extra)
     torch.testing.assert_close(other_axis, op(w[:1024], torch.ones(512), torch.zeros(512, dtype=torch.int64), 1, -8, 7, torch.int8))
 
 
