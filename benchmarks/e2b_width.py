@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
+from optimum_qnn.memory import ParameterCounts
+
 E2B_LAYERS, E2B_REUSE = 35, 20
 RECIPE_VERSION = 1
 
@@ -60,19 +62,8 @@ def e2b_config(depth: int = E2B_LAYERS, reuse: int = E2B_REUSE) -> Gemma4TextCon
 
 def parameter_counts(config: Gemma4TextConfig) -> dict[str, int]:
     """Parameters of the token table, the per-layer embedding table (its width grows with depth), the decoder
-    layers, and the rest (norms and the per-layer projection)."""
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(config)
-    counts = {"token_table": 0, "per_layer_table": 0, "layers": 0, "other": 0}
-    for name, p in model.named_parameters():
-        if "embed_tokens_per_layer" in name:
-            key = "per_layer_table"
-        elif "embed_tokens" in name:
-            key = "token_table"
-        else:
-            key = "layers" if ".layers." in name else "other"
-        counts[key] += p.numel()
-    return counts
+    layers, and the rest (norms and the per-layer projection): the exporter's own count (optimum_qnn.memory)."""
+    return ParameterCounts.from_config(config).as_dict()
 
 
 def depth_parameters(config: Gemma4TextConfig) -> int:

@@ -24,6 +24,7 @@ from optimum_qnn.config import (
     Soc,
 )
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
+from optimum_qnn.memory import parse_max_memory
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--float-io", action="store_true",
                      help="quantized schemes: keep the masks, KV caches and logits float32 at the graph boundary "
                           "(default: uint16, as ExecuTorch's Qualcomm runner expects)")
-    opt.add_argument("--shards", type=int, default=_DEFAULTS.shards, metavar="N",
+    mem = parser.add_argument_group("memory")
+    mem.add_argument("--shards", type=int, default=None, metavar="N",
                      help="split the decoder layers into N QNN contexts compiled one at a time: lower peak memory when "
-                          "lowering big models (default: %(default)s)")
+                          "lowering big models (default: the fewest whose estimated peak fits --max-memory)")
+    mem.add_argument("--max-memory", default=None, metavar="GB",
+                     help="memory budget of the export; one whose estimated peak exceeds it is refused before loading "
+                          "(default: this machine's available memory less 10%%, at least 1 GB)")
     cal = parser.add_argument_group("calibration (quantized schemes)")
     cal.add_argument("--calib-file", type=Path, help="plain text (paragraphs) or JSONL with a 'text' field")
     cal.add_argument("--calib-limit", type=int, default=32, help="number of samples (default: %(default)s)")
@@ -101,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         float_io=args.float_io,
         overrides=tuple(_parse_override(text) for text in args.quant_override),
         shards=args.shards,
+        max_memory=None if args.max_memory is None else parse_max_memory(args.max_memory),
     )
 
 

@@ -217,7 +217,11 @@ class ExportConfig:
     overrides: tuple[tuple[str, QuantScheme], ...] = ()
     # Split the decoder layers into this many QNN contexts, compiled one after the other: the compiler then holds
     # one shard's weights at a time (lower peak memory for big models); a phone loads them as separate contexts.
-    shards: int = 1
+    # None: the fewest shards whose estimated lowering peak fits `max_memory` (optimum_qnn.memory).
+    shards: int | None = None
+    # Memory budget of the export in GB (2**30 bytes); None: this machine's available memory less a margin. An export
+    # whose estimated peak exceeds it is refused before any weight is read.
+    max_memory: float | None = None
     # Quantized schemes: masks, caches and logits cross the graph boundary as uint16 (ExecuTorch's Qualcomm flow
     # does the same); True keeps them float32, quantized inside the graph on every call. Ignored for fp16.
     float_io: bool = False
@@ -236,8 +240,13 @@ class ExportConfig:
             raise InvalidInputError(f"ExportConfig.socs must hold Soc members (Soc.parse('SM8650')); got {self.socs!r}")
         if self.embedding_quant is not None and not isinstance(self.embedding_quant, EmbeddingQuant):
             raise InvalidInputError(f"ExportConfig.embedding_quant must be an EmbeddingQuant or None; got {self.embedding_quant!r}")
-        if not isinstance(self.shards, int) or self.shards < 1:
-            raise InvalidInputError(f"shards must be at least 1; got {self.shards}")
+        if self.shards is not None and (not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1):
+            raise InvalidInputError(f"shards must be at least 1; got {self.shards} (None lets the exporter choose)")
+        if self.max_memory is not None and (
+            isinstance(self.max_memory, bool) or not isinstance(self.max_memory, (int, float))
+            or not math.isfinite(self.max_memory) or self.max_memory <= 0
+        ):
+            raise InvalidInputError(f"max_memory must be a positive number of GB, e.g. 16 or 7.5; got {self.max_memory!r}")
         if not self.socs:
             raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
@@ -260,6 +269,8 @@ class ExportConfig:
 
     def shard_starts(self, num_layers: int) -> tuple[int, ...]:
         """The decoder layers that begin shards 2..N, the layers split as evenly as rounding allows."""
+        if self.shards is None:
+            raise InvalidInputError("shards is not chosen yet: give a number, or let export() choose it from the memory estimate")
         if self.shards > num_layers:
             raise InvalidInputError(f"--shards {self.shards} exceeds the model's {num_layers} decoder layers")
         return tuple(round(i * num_layers / self.shards) for i in range(1, self.shards))

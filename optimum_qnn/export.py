@@ -185,7 +185,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     output = result.output
     with _stage(result, "load"):
         folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
-        tokenizer, config = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate)
+        tokenizer, config, memory = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate)
+        stage_logger.info("%s", memory.summary())
         # Without --evaluate the Hugging Face model never runs: its embedding tables stay in their stored dtype
         # until they are quantized, and the model is released after the swap.
         hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None)

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from optimum_qnn.calibration import CalibrationSource, check_text_file
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.models.gemma4.loading import CheckpointError, check_checkpoint
+from optimum_qnn.memory import MemoryPlan, ParameterCounts, choose_memory_plan
+from optimum_qnn.models.gemma4.loading import CheckpointError, check_checkpoint, read_text_config
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -65,19 +66,20 @@ def source_model_id(model: str, folder: Path) -> str:
 
 
 def preflight(model: str, folder: Path, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
-              allow_pickle: bool, evaluate: Path | None):
-    """Every check that needs the checkpoint folder but not its tensors. Returns the tokenizer (or None) and the
-    config with its embedding quantization resolved."""
+              allow_pickle: bool, evaluate: Path | None) -> tuple[object, ExportConfig, MemoryPlan]:
+    """Every check that needs the checkpoint folder but not its tensors. Returns the tokenizer (or None), the
+    config with its embedding quantization and shard count resolved, and the memory plan (estimates) behind them."""
     if revision is not None and Path(model).expanduser().is_dir():
         raise InvalidInputError(f"--revision {revision!r} selects a Hub revision, but {model} is a local folder; drop --revision")
-    text_config = check_checkpoint(folder, allow_pickle=allow_pickle)
+    text_config = read_text_config(folder)
     max_pos = text_config.max_position_embeddings
     if config.shapes.max_seq_len > max_pos:
         raise InvalidInputError(
             f"--max-seq-len {config.shapes.max_seq_len} exceeds the model's max_position_embeddings ({max_pos}); "
             f"choose at most {max_pos}"
         )
-    config.shard_starts(text_config.num_hidden_layers)  # a bad --shards fails here
+    if config.shards is not None:
+        config.shard_starts(text_config.num_hidden_layers)  # a bad --shards fails here
     widths = (text_config.hidden_size,)
     if text_config.hidden_size_per_layer_input:
         widths += (text_config.num_hidden_layers * text_config.hidden_size_per_layer_input,)
@@ -86,6 +88,10 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
         logger.info("Embedding tables: %s (tables %s wide)", config.embedding_quant, " and ".join(map(str, widths)))
     else:
         config.embedding_quant.check_widths(widths)
+    # From the config alone, before the weight files are even opened: an export that cannot fit stops here.
+    plan = choose_memory_plan(ParameterCounts.from_config(text_config), config, evaluate=evaluate is not None)
+    config = dataclasses.replace(config, shards=plan.estimate.shards)
+    check_checkpoint(folder, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(folder)
     if tokenizer is None and config.quant.is_quantized and calibration.file is not None:
         raise InvalidInputError(
@@ -94,7 +100,7 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
         )
     if tokenizer is None and evaluate is not None:
         raise InvalidInputError("--evaluate needs the model's tokenizer, and the model folder has none")
-    return tokenizer, config
+    return tokenizer, config, plan
 
 
 def read_texts(config: ExportConfig, calibration: CalibrationSource, evaluate: Path | None) -> list[str] | None:

@@ -8,6 +8,7 @@ import pytest
 
 from optimum_qnn.cli import add_export_arguments, config_from_args
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+from optimum_qnn.errors import InvalidInputError
 
 
 def parse(*argv: str):
@@ -51,7 +52,7 @@ def test_kv_mode_ignores_prefill_length():
 
 
 def test_shards_split_the_layers_evenly():
-    assert parse().shards == 1 and parse().shard_starts(35) == ()
+    assert parse("--shards", "1").shard_starts(35) == ()
     assert parse("--shards", "2").shard_starts(6) == (3,)
     assert parse("--shards", "7").shard_starts(35) == (5, 10, 15, 20, 25, 30)
     assert parse("--shards", "3").shard_starts(7) == (2, 5)  # shards of 2, 3 and 2 layers
@@ -75,3 +76,18 @@ def test_embedding_quant_default_fits_the_table_widths():
             default(quant, widths).check_widths(widths)  # the default always fits
     with pytest.raises(ValueError, match="48 wide, not a multiple of the group size 32; choose a group size of 16,"):
         EmbeddingQuant(4, 32).check_widths((48, 48))
+
+
+def test_shards_and_max_memory_default_to_the_exporters_choice():
+    default = parse()
+    assert default.shards is None and default.max_memory is None
+    with pytest.raises(InvalidInputError, match="shards is not chosen yet"):
+        default.shard_starts(35)
+    config = parse("--max-memory", "12.5", "--shards", "4")
+    assert config.max_memory == 12.5 and config.shards == 4
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "lots", "nan", "inf", ""])
+def test_max_memory_bad_values_are_refused(value):
+    with pytest.raises(InvalidInputError, match=f"--max-memory must be a positive number of GB, e.g. 16 or 7.5; got '{value}'"):
+        parse("--max-memory", value)

@@ -1,0 +1,278 @@
+"""The memory an export will need, estimated from the model's config alone, before any weight is read.
+
+An export that does not fit is killed by the kernel, at Gemma-4-E2B's size after about 25 minutes. The estimate lets
+the exporter choose the fewest lowering shards that fit the memory it has (`choose_memory_plan`), and refuse in a
+second, with the figure and the fix, when nothing fits.
+
+How it is computed: the parameters of each part of the model (token table, per-layer embedding table, decoder
+layers) are counted on a meta-device model built from the config (no weights), and each stage's peak RSS is a
+linear function of their stored bytes, fitted to the exports measured on this project's 2-core, 24 GB machine:
+
+- demo Gemma4 (examples/tiny_gemma4.py, 16a8w, hybrid, context 128; benchmarks/rows.json, "schemes"): the load
+  stage, 0.46 GB, is the process with torch, transformers and ExecuTorch imported (`_BASE`); the lowering stage,
+  0.98 GB, is that plus the QNN libraries and compiler on a graph of negligible size (`_LOWER_BASE`);
+- Gemma-4-E2B widths at 2 and 7 layers (benchmarks/e2b_width.py, 16a4w, hybrid, context 1024, prefill 128, 4-bit
+  embedding tables, one shard per layer; benchmarks/rows.json, "e2b");
+- the full-size Gemma-4-E2B, 35 layers, 35 shards, 16a4w_block, same shapes (issue 16): load 10.2, swap 17.9,
+  export 11.4, calibrate 12.4, quantize 21.3, lower 16.0, write 14.4 GB per-stage peak, 21.8 GB for the process.
+
+Per stage, peak = `_BASE` + a x (token table GB at the stored dtype) + b x (everything else, GB stored), least
+squares through the three E2B rows (the token table is the same in all three, its coefficient carries the fixed
+costs of a 262144-word vocabulary: the float32 lm_head, vocabulary-wide logits). The fit reproduces the 21 measured E2B
+figures and the demo's two within 0.5 GB (tests/test_memory.py). The lowering stage adds what the QNN compiler holds for the shard it
+compiles, `_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head):
+every measured E2B export lowered one layer per shard, so that coefficient is the lowering line's intercept spread
+over one layer plus the lm_head, not a measurement of a many-layer shard. It agrees with what was seen: the 35-layer
+E2B export with the default single shard was killed by the kernel on the 24 GB machine (estimated here at 27 GB).
+
+What the rows did not vary is computed, not measured: weights wider than 4 bits add their extra bytes per HTP
+parameter, float or 8-bit embedding tables theirs, and `--evaluate` keeps the float32 Hugging Face model resident.
+Context length and prefill length are taken as measured (1024 and 128). Every figure this module returns is an
+estimate; every message that shows one says so. GB here is 2**30 bytes, as in the exporter's stage table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme
+from optimum_qnn.errors import InvalidInputError
+
+GB_BYTES = 2**30
+
+# The fit described in the module docstring (GB; coefficients in GB per GB of stored weights).
+_BASE = 0.46  # demo Gemma4, load stage: 473 MiB
+_LOWER_BASE = 0.98  # demo Gemma4 16a8w, lower stage: 1001 MiB
+# stage: (per GB of token table, per GB of the rest), both at the stored dtype
+_STAGE_FIT = {
+    "load": (0.0, 1.243),  # least squares gave -0.058 for the table: no fixed cost, clamped to 0
+    "swap": (3.751, 1.859),
+    "export": (2.431, 1.156),
+    "calibrate": (3.168, 1.214),
+    "quantize": (2.903, 2.362),
+    "write": (3.788, 1.408),
+}
+# The lowering: resident state (quantized weights, CPU tables, the context binaries compiled so far) per GB of stored
+# weights, plus the compiler's working set per parameter of the shard being compiled. Fitted to the E2B lower stages
+# (5.63, 6.72, 16.0 GB at 2, 7, 35 layers) above `_LOWER_BASE`.
+_LOWER_RESIDENT = 1.397
+_SHARD_BYTES_PER_PARAM = 6.66
+# The measured rows quantized HTP weights to 4 bits and embedding tables to 4 bits.
+_MEASURED_WEIGHT_BITS = 4
+_MEASURED_TABLE_BITS = 4
+# Held back from MemAvailable when the user gives no --max-memory: other processes grow, and the estimate is a fit.
+MARGIN_FRACTION, MIN_MARGIN_GB = 0.10, 1.0
+
+_STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters per part of a Gemma4 text model, counted from its config on the meta device (no weights)."""
+
+    token_table: int
+    per_layer_table: int
+    layers: tuple[int, ...]  # per decoder layer
+    other: int  # norms, the per-layer input projection, an untied lm_head
+    stored_bytes: int  # bytes per parameter in the checkpoint (bf16: 2)
+
+    @classmethod
+    def from_config(cls, text_config) -> "ParameterCounts":
+        import torch
+        from transformers import Gemma4ForCausalLM
+
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(text_config)
+        token = per_layer = other = 0
+        layers = [0] * text_config.num_hidden_layers
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue  # a tied lm_head is the token table
+            seen.add(id(p))
+            if "embed_tokens_per_layer" in name:
+                per_layer += p.numel()
+            elif "embed_tokens" in name:
+                token += p.numel()
+            elif ".layers." in name:
+                layers[int(name.split(".layers.")[1].split(".")[0])] += p.numel()
+            else:
+                other += p.numel()
+        dtype = str(getattr(text_config, "dtype", None) or "bfloat16").removeprefix("torch.")
+        return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2))
+
+    def as_dict(self) -> dict[str, int]:
+        return {"token_table": self.token_table, "per_layer_table": self.per_layer_table, "layers": sum(self.layers),
+                "other": self.other}
+
+    @property
+    def total(self) -> int:
+        return self.token_table + self.per_layer_table + sum(self.layers) + self.other
+
+    @property
+    def tables(self) -> int:
+        return self.token_table + self.per_layer_table
+
+    @property
+    def htp(self) -> int:
+        """Parameters compiled into the HTP graph: the decoder layers, the rest, and the lm_head (vocab x hidden)."""
+        return sum(self.layers) + self.other + self.token_table
+
+    def largest_shard(self, shard_starts: tuple[int, ...]) -> int:
+        """Parameters of the largest shard the QNN compiler holds at once: the layers between shard starts, the
+        first with the per-layer input projection, the last with the lm_head."""
+        bounds = (0, *shard_starts, len(self.layers))
+        sizes = [sum(self.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+        sizes[0] += self.other
+        sizes[-1] += self.token_table
+        return max(sizes)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak RSS per stage, in GB, of one export configuration (a fit, not a measurement)."""
+
+    stages: dict[str, float]
+    shards: int
+
+    @property
+    def peak(self) -> float:
+        return max(self.stages.values())
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.stages, key=self.stages.get)
+
+    @property
+    def lowering(self) -> float:
+        return self.stages["lower"]
+
+
+def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, evaluate: bool = False) -> MemoryEstimate:
+    """Estimated per-stage peak RSS (GB) of exporting a model of these parameter counts in ``shards`` shards."""
+    stored = counts.stored_bytes / GB_BYTES
+    table, rest = counts.token_table * stored, (counts.total - counts.token_table) * stored
+    quantized = config.quant.is_quantized
+    # What the rows did not vary, computed from the widths (bytes per parameter beyond the measured 4-bit ones).
+    weight_extra = max(0, config.quant.weight_bits - _MEASURED_WEIGHT_BITS) / 8
+    # Unresolved (None): what `EmbeddingQuant.default_for` picks, 4-bit when quantized, else float; float is stored.
+    table_bits = (config.embedding_quant.bits if config.embedding_quant is not None else 4 * quantized) or 8 * counts.stored_bytes
+    table_extra = counts.tables * max(0, table_bits - _MEASURED_TABLE_BITS) / 8 / GB_BYTES
+    float_model = counts.total * 4 / GB_BYTES if evaluate else 0.0  # the float32 Hugging Face model kept for --evaluate
+    stages = {}
+    for name, (a, b) in _STAGE_FIT.items():
+        if not quantized and name in ("calibrate", "quantize"):
+            continue
+        held = 0.0 if name == "load" else table_extra + float_model  # the load holds the stored tables, as measured
+        if name in ("quantize", "write"):
+            held += counts.htp * weight_extra / GB_BYTES
+        stages[name] = _BASE + a * table + b * rest + held
+    starts = tuple(round(i * len(counts.layers) / shards) for i in range(1, shards))
+    shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
+    stages["lower"] = (_LOWER_BASE + _LOWER_RESIDENT * (table + rest) + counts.htp * weight_extra / GB_BYTES + table_extra
+                       + float_model + shard)
+    return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
+
+
+def available_gib(meminfo: Path = Path("/proc/meminfo")) -> float | None:
+    """MemAvailable of this machine in GB (Linux), or None where the kernel does not report it."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GB_BYTES
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_budget_gib(available: float | None) -> float | None:
+    """The budget when the user sets none: what is available, less a margin (10 %, at least 1 GB)."""
+    if available is None:
+        return None
+    return max(0.0, available - max(MIN_MARGIN_GB, MARGIN_FRACTION * available))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The shard count chosen for the lowering and what the export is estimated to need with it."""
+
+    estimate: MemoryEstimate
+    budget_gib: float | None
+    budget_source: str  # "--max-memory", "MemAvailable ... less margin", or "unknown"
+    auto: bool
+
+    def summary(self) -> str:
+        """The one line the exporter prints."""
+        est = self.estimate
+        chosen = "chosen for" if self.auto else "given;"
+        budget = f"budget {self.budget_gib:.1f} GB ({self.budget_source})" if self.budget_gib is not None else "no budget known"
+        return (f"Memory: {est.shards} shard(s) {chosen} {budget}; estimated peak {est.peak:.1f} GB ({est.peak_stage}), "
+                f"lowering {est.lowering:.1f} GB (an estimate fitted to measured exports, not a measurement)")
+
+
+def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluate: bool = False,
+                       meminfo: Path = Path("/proc/meminfo")) -> MemoryPlan:
+    """The fewest shards whose estimated lowering peak fits the budget (``config.shards`` when the user gave one), or
+    an `InvalidInputError` with the estimate and the fix when the export cannot fit.
+
+    Fewest, because every shard is one more HTP graph call per token on the phone."""
+    if config.max_memory is not None:
+        budget, source = config.max_memory, "--max-memory"
+    else:
+        available = available_gib(meminfo)
+        budget = default_budget_gib(available)
+        source = f"MemAvailable {available:.1f} GB less margin" if available is not None else "unknown"
+    num_layers = len(counts.layers)
+    if config.shards is not None:
+        plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)
+    else:
+        candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(1, num_layers + 1)]
+        fitting = [c for c in candidates if budget is None or c.lowering <= budget]
+        # Nothing fits: the lowest estimate (the fewest shards among equals), for the refusal to quote.
+        best = fitting[0] if fitting else min(candidates, key=lambda c: (c.lowering, c.shards))
+        plan = MemoryPlan(best, budget, source, auto=True)
+    if budget is not None and plan.estimate.peak > budget:
+        raise InvalidInputError(_refusal(plan, counts, config, evaluate, num_layers))
+    return plan
+
+
+def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, evaluate: bool, num_layers: int) -> str:
+    est = plan.estimate
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in est.stages.items())
+    fixes = [f"run on a machine with more free memory, or raise the budget with --max-memory (at least "
+             f"{math.ceil(est.peak * 10) / 10:.1f} GB, if the machine has it)"]
+    if est.peak_stage == "lower" and not plan.auto and est.shards < num_layers:
+        fixes.append("leave --shards out to let the exporter choose, or give more shards (fewer layers per QNN compile)")
+    # The flags that lower the estimate, each with the peak it would leave (at one shard per layer, the lowest).
+    alternatives = []
+    if config.quant.weight_bits > 4:
+        alternatives.append(("--quant 16a4w_block", dataclasses.replace(config, quant=QuantScheme.A16W4_BLOCK), evaluate))
+    if config.embedding_quant is None or config.embedding_quant.bits != 4:
+        alternatives.append(("--embedding-quant 4,0 (4-bit tables, one group per row)",
+                             dataclasses.replace(config, embedding_quant=EmbeddingQuant(4, 0)), evaluate))
+    if evaluate:
+        alternatives.append(("dropping --evaluate (it keeps the float32 model resident)", config, False))
+    for flag, variant, evaluates in alternatives:
+        peak = estimate(counts, variant, num_layers, evaluate=evaluates).peak
+        if peak < est.peak - 0.05:
+            fixes.append(f"{flag}: estimated peak {peak:.1f} GB")
+    if len(fixes) == 1:
+        fixes.append("no flag of this exporter lowers this estimate")
+    return (f"This export needs an estimated {est.peak:.1f} GB at its peak ({est.peak_stage} stage, {est.shards} "
+            f"shard(s)), more than the budget of {plan.budget_gib:.1f} GB ({plan.budget_source}); it would be killed "
+            f"for memory, so it stops before loading any weight. Estimated per-stage peaks in GB (fitted to measured "
+            f"exports, {counts.total / 1e6:,.1f} M parameters): {stages}. To fix: " + "; ".join(fixes))
+
+
+def parse_max_memory(text: str | float) -> float:
+    """``--max-memory GB``: a positive number of GB."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(text, bool) or not math.isfinite(value) or value <= 0:
+        raise InvalidInputError(f"--max-memory must be a positive number of GB, e.g. 16 or 7.5; got {text!r}")
+    return value

@@ -1,0 +1,218 @@
+"""The export's memory estimate (optimum_qnn.memory): parameter counts from the config alone, the fit against the
+exports measured on this machine, the shard count chosen from it, and the refusal before any weight is read.
+No export runs here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig
+from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.memory import (
+    ParameterCounts,
+    available_gib,
+    choose_memory_plan,
+    default_budget_gib,
+    estimate,
+)
+from optimum_qnn.models.gemma4.loading import read_text_config
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from e2b_width import e2b_config  # noqa: E402
+
+# The full-size Gemma-4-E2B export measured in issue 16 (35 layers, 35 shards, 16a4w_block, SM8650, context 1024,
+# prefill 128): per-stage peak RSS in GB. It is not in benchmarks/rows.json (that holds the reduced depths).
+E2B_FULL = {"load": 10.2, "swap": 17.9, "export": 11.4, "calibrate": 12.4, "quantize": 21.3, "lower": 16.0, "write": 14.4}
+# The benchmark's E2B-width configuration (benchmarks/run.py): 16a4w, hybrid, context 1024, 4-bit tables.
+E2B_BENCH = ExportConfig(quant=QuantScheme.A16W4, mode=ExportMode.HYBRID, shapes=ShapeConfig(1024, 128),
+                         embedding_quant=EmbeddingQuant(4, 32))
+TOLERANCE_GB = 0.5  # what memory.py's docstring claims for the fit
+
+
+@pytest.fixture(scope="module")
+def e2b() -> ParameterCounts:
+    return ParameterCounts.from_config(e2b_config())
+
+
+def measured_rows(demo_counts: ParameterCounts):
+    """(counts, config, shards, {stage: measured GB}) for every measured export the fit is meant to reproduce."""
+    rows = json.loads((REPO / "benchmarks" / "rows.json").read_text())
+    reuse = {2: 0, 7: 2}  # benchmarks/run.py DEPTHS
+    for row in rows["e2b"]:
+        counts = ParameterCounts.from_config(e2b_config(row["depth"], reuse[row["depth"]]))
+        yield counts, E2B_BENCH, row["depth"], {k: v[1] / 1024 for k, v in row["stages"].items()}
+    full = dataclasses.replace(E2B_BENCH, quant=QuantScheme.A16W4_BLOCK)
+    yield ParameterCounts.from_config(e2b_config()), full, 35, E2B_FULL
+    (demo,) = [r for r in rows["schemes"] if r["scheme"] == "16a8w"]
+    demo_config = ExportConfig(quant=QuantScheme.A16W8, shapes=ShapeConfig(128, 16), embedding_quant=EmbeddingQuant(8, 0))
+    yield demo_counts, demo_config, 1, {k: demo["stages"][k][1] / 1024 for k in ("load", "lower")}
+
+
+def test_parameter_counts_of_e2b_from_its_config(e2b):
+    # README "Export memory": the tables are 2.75 B of E2B's 4.63 B parameters.
+    assert round(e2b.tables / 1e9, 2) == 2.75 and round(e2b.total / 1e9, 2) == 4.63
+    assert len(e2b.layers) == 35 and e2b.stored_bytes == 2  # bf16, as published
+    # The last 20 layers reuse an earlier layer's KV and have a double-wide MLP (12288): bigger than the first.
+    assert e2b.layers[34] > e2b.layers[0] and e2b.layers[15] > e2b.layers[14]
+    # One shard holds everything; 35 shards: the largest is the last layer plus the lm_head (vocab x hidden).
+    assert e2b.largest_shard(()) == e2b.htp
+    assert e2b.largest_shard(tuple(range(1, 35))) == e2b.layers[34] + 262144 * 1536
+
+
+def test_estimate_reproduces_every_measured_stage(demo_model_dir):
+    demo = ParameterCounts.from_config(read_text_config(demo_model_dir))
+    checked = 0
+    for counts, config, shards, measured in measured_rows(demo):
+        est = estimate(counts, config, shards)
+        for stage, gb in measured.items():
+            assert abs(est.stages[stage] - gb) <= TOLERANCE_GB, (len(counts.layers), stage, est.stages[stage], gb)
+            checked += 1
+    assert checked == 3 * 7 + 2
+
+
+def test_estimate_grows_with_what_the_rows_did_not_vary(e2b):
+    base = estimate(e2b, E2B_BENCH, 4)
+    wider = estimate(e2b, dataclasses.replace(E2B_BENCH, quant=QuantScheme.A16W8), 4)
+    float_tables = estimate(e2b, dataclasses.replace(E2B_BENCH, embedding_quant=EmbeddingQuant(0, 0)), 4)
+    evaluated = estimate(e2b, E2B_BENCH, 4, evaluate=True)
+    for other in (wider, float_tables, evaluated):
+        assert other.peak > base.peak and other.lowering > base.lowering
+    # 8-bit weights: half a byte more per HTP parameter, at least.
+    assert wider.lowering - base.lowering >= e2b.htp * 0.5 / 2**30
+    fp16 = estimate(e2b, dataclasses.replace(E2B_BENCH, quant=QuantScheme.FP16, embedding_quant=None), 1)
+    assert "calibrate" not in fp16.stages and "quantize" not in fp16.stages
+    # More shards: a smaller largest shard, a lower lowering peak; the other stages do not change.
+    one, many = estimate(e2b, E2B_BENCH, 1), estimate(e2b, E2B_BENCH, 35)
+    assert one.lowering > many.lowering + 5 and one.stages["quantize"] == many.stages["quantize"]
+
+
+def test_auto_shards_pick_one_for_the_demo_and_more_for_e2b_on_24_gb(demo_model_dir, e2b):
+    demo = ParameterCounts.from_config(read_text_config(demo_model_dir))
+    assert choose_memory_plan(demo, ExportConfig(max_memory=24)).estimate.shards == 1
+    for quant in (QuantScheme.A16W8, QuantScheme.A16W4_BLOCK):  # the default scheme, and the issue's
+        config = ExportConfig(quant=quant, max_memory=24)
+        plan = choose_memory_plan(e2b, config)
+        shards = plan.estimate.shards
+        assert 1 < shards < 35 and plan.auto and plan.estimate.peak <= 24
+        # the fewest that fit: one fewer would not
+        assert estimate(e2b, config, shards - 1).lowering > 24 >= plan.estimate.lowering
+    # A larger budget never needs more shards.
+    assert choose_memory_plan(e2b, ExportConfig(max_memory=64)).estimate.shards == 1
+
+
+def test_a_given_shard_count_is_kept_and_checked(e2b):
+    plan = choose_memory_plan(e2b, ExportConfig(quant=QuantScheme.A16W4, shards=35, max_memory=24))
+    assert plan.estimate.shards == 35 and not plan.auto
+    with pytest.raises(InvalidInputError, match="leave --shards out to let the exporter choose"):
+        choose_memory_plan(e2b, ExportConfig(quant=QuantScheme.A16W4, shards=1, max_memory=24))
+
+
+def test_default_budget_is_mem_available_less_a_margin(tmp_path, e2b):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1000000 kB\nMemAvailable:   16777216 kB\n")
+    assert available_gib(meminfo) == 16.0
+    assert default_budget_gib(16.0) == pytest.approx(14.4) and default_budget_gib(5.0) == 4.0
+    assert available_gib(tmp_path / "missing") is None and default_budget_gib(None) is None
+    with pytest.raises(InvalidInputError) as info:
+        choose_memory_plan(e2b, ExportConfig(), meminfo=meminfo)
+    message = str(info.value)
+    assert "budget of 14.4 GB (MemAvailable 16.0 GB less margin)" in message
+    assert "estimated" in message and "--max-memory" in message
+    # Without MemAvailable there is no budget to refuse against: the fewest shards, and a line saying so.
+    plan = choose_memory_plan(e2b, ExportConfig(), meminfo=tmp_path / "missing")
+    assert plan.estimate.shards == 1 and "no budget known" in plan.summary()
+
+
+def test_the_printed_line_says_estimate(demo_model_dir):
+    demo = ParameterCounts.from_config(read_text_config(demo_model_dir))
+    line = choose_memory_plan(demo, ExportConfig(max_memory=8)).summary()
+    assert line.startswith("Memory: 1 shard(s) chosen for budget 8.0 GB (--max-memory); estimated peak ")
+    assert "an estimate" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("value", [0, -3, float("nan"), float("inf"), True, "12"])
+def test_max_memory_bad_values_in_the_config(value):
+    with pytest.raises(InvalidInputError, match="max_memory must be a positive number of GB"):
+        ExportConfig(max_memory=value)
+
+
+def e2b_folder_with_garbage_weights(tmp_path: Path) -> Path:
+    """Gemma-4-E2B's config beside a 'safetensors' file that is not one: reading any weight would fail."""
+    folder = tmp_path / "e2b"
+    config = e2b_config()
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.dtype = "bfloat16"
+    config.save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"\x00garbage, not a safetensors header" * 100)
+    return folder
+
+
+def test_too_small_budget_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+    import optimum_qnn.export as export_module
+    from optimum_qnn.export import export
+
+    monkeypatch.setattr(export_module, "load_text_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    folder = e2b_folder_with_garbage_weights(tmp_path)
+    config = ExportConfig(quant=QuantScheme.A16W4_BLOCK, max_memory=16)
+    best = min((estimate(ParameterCounts.from_config(e2b_config()), config, n) for n in range(1, 36)),
+               key=lambda e: (e.lowering, e.shards))
+    peak = best.peak  # the best any shard count does
+    with pytest.raises(InvalidInputError) as info:
+        export(folder, tmp_path / "new" / "out", config)
+    message = str(info.value)
+    assert f"needs an estimated {peak:.1f} GB at its peak (quantize stage" in message
+    assert "more than the budget of 16.0 GB (--max-memory)" in message and "stops before loading any weight" in message
+    assert "no flag of this exporter lowers this estimate" in message
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_refusal_names_the_flags_that_lower_the_estimate(e2b):
+    config = ExportConfig(quant=QuantScheme.A16W8, embedding_quant=EmbeddingQuant(8, 0), max_memory=20)
+    with pytest.raises(InvalidInputError) as info:
+        choose_memory_plan(e2b, config, evaluate=True)
+    message = str(info.value)
+    for flag, variant, evaluates in (
+        ("--quant 16a4w_block", dataclasses.replace(config, quant=QuantScheme.A16W4_BLOCK), True),
+        ("--embedding-quant 4,0 (4-bit tables, one group per row)", dataclasses.replace(config, embedding_quant=EmbeddingQuant(4, 0)), True),
+        ("dropping --evaluate (it keeps the float32 model resident)", config, False),
+    ):
+        assert f"{flag}: estimated peak {estimate(e2b, variant, 35, evaluate=evaluates).peak:.1f} GB" in message
+
+
+def test_cli_refuses_a_half_gigabyte_budget_with_exit_2(random_model_dir, run_python, tmp_path):
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    proc = run_python("-m", "optimum_qnn", "export", "--model", str(random_model_dir), "--output", str(out),
+                      "--max-memory", "0.5", "--max-seq-len", "64", "--prefill-ar-len", "16", timeout=120)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr
+    peak = estimate(ParameterCounts.from_config(read_text_config(random_model_dir)), ExportConfig(), 1).peak
+    assert f"error: This export needs an estimated {peak:.1f} GB at its peak (lower stage, 1 shard(s))" in proc.stderr
+    assert "budget of 0.5 GB (--max-memory)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+    assert seconds < 60, seconds  # imports and the meta-device count only: no load, no calibration, no lowering
+
+
+def test_export_prints_its_choice_before_loading(random_model_dir, tmp_path, monkeypatch, caplog):
+    import optimum_qnn.export as export_module
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(export_module, "load_text_model", load)
+    config = ExportConfig(shapes=ShapeConfig(64, 16), max_memory=8)
+    with caplog.at_level("INFO", logger="optimum_qnn.stages"), pytest.raises(Loaded):
+        export_module.export(random_model_dir, tmp_path / "out", config)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory:")]
+    peak = estimate(ParameterCounts.from_config(read_text_config(random_model_dir)), config, 1).peak
+    assert line.startswith(f"Memory: 1 shard(s) chosen for budget 8.0 GB (--max-memory); estimated peak {peak:.1f} GB")
