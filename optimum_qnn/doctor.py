@@ -25,7 +25,7 @@ from optimum_qnn.sdk import (
 )
 from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
 
-# Distribution name -> the version verified with this release (docs/environment.md); None: any.
+# Distribution name -> the version verified with this release (pyproject.toml's pins); None: any.
 STACK = {
     "torch": "2.13.0",
     "executorch": "1.5.1",

@@ -360,7 +360,8 @@ def test_not_found_errors_are_clear(client, tmp_path):
 # --- exporting from a Hub model id -----------------------------------------------------------------------------
 
 
-# The CLI in a child process, with `GitHubApi` (below) in place of `HfApi`: pushes become commits in olah's mirrors.
+# `optimum-cli export qnn` in a child process, with `GitHubApi` (below) in place of `HfApi`: pushes become commits in
+# olah's mirrors. Called as `python -c CLI_WITH_GIT_HUB export ARGS...`.
 CLI_WITH_GIT_HUB = r"""
 import os, sys
 from pathlib import Path
@@ -368,13 +369,14 @@ import huggingface_hub
 from tests.test_hub import GitHubApi
 GitHubApi.root, GitHubApi.calls = Path(os.environ["GIT_HUB_MIRRORS"]), []
 huggingface_hub.HfApi = GitHubApi
-from optimum_qnn.__main__ import main
-sys.exit(main(sys.argv[1:]))
+from optimum.commands.optimum_cli import main
+sys.argv = ["optimum-cli", "export", "qnn", *sys.argv[2:]]
+main()
 """
 
 
 def test_export_from_a_hub_model_id_and_push(hub, client, random_model_dir, local_tokens, run_python, tmp_path):
-    """`optimum-qnn export --model <repo id> --push-to-hub <repo>` end to end: the checkpoint comes through the Hub
+    """`optimum-cli export qnn --model <repo id> --push-to-hub <repo>` end to end: the checkpoint comes through the Hub
     client (only the files the exporter reads), the manifest records the repo and revision, the variant generates
     what the local export does, and the pushed repo downloads back byte for byte."""
     from huggingface_hub import ModelCard
