@@ -65,6 +65,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
     opt.add_argument("--no-weight-sharing", action="store_true",
                      help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
+    opt.add_argument("--check-weight-sharing", action="store_true",
+                     help="also lower without weight sharing and check with QNN's System library that both builds hold the "
+                          "same graphs, IO and encodings, the shared one storing its weights once; the result goes into "
+                          "the manifest (one more lowering per SoC)")
     opt.add_argument("--float-io", action="store_true",
                      help="quantized schemes: keep the masks, KV caches and logits float32 at the graph boundary "
                           "(default: uint16, as ExecuTorch's Qualcomm runner expects)")
@@ -132,6 +136,7 @@ def run_export(args: argparse.Namespace) -> int:
             result = export(
                 args.model, args.output, config, revision=args.revision, calibration=calibration,
                 allow_pickle=args.allow_pickle, evaluate=args.evaluate, evaluate_tokens=args.evaluate_tokens,
+                check_weight_sharing=args.check_weight_sharing,
             )
     except OptimumQnnError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -91,3 +91,27 @@ def test_shards_and_max_memory_default_to_the_exporters_choice():
 def test_max_memory_bad_values_are_refused(value):
     with pytest.raises(InvalidInputError, match=f"--max-memory must be a positive number of GB, e.g. 16 or 7.5; got '{value}'"):
         parse("--max-memory", value)
+
+
+def test_check_weight_sharing_flag_reaches_the_export(monkeypatch, tmp_path):
+    """`--check-weight-sharing` runs the shared-vs-unshared inspection of `export(check_weight_sharing=True)`."""
+    import optimum_qnn.export as export_module
+    from optimum_qnn.cli import run_export
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_export(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(export_module, "export", fake_export)
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    for argv, expected in ((["--check-weight-sharing"], True), ([], False)):
+        args = parser.parse_args(["--model", str(tmp_path), "--output", str(tmp_path / "o"), "--quant", "fp16", *argv])
+        with pytest.raises(Stop):
+            run_export(args)
+        assert seen["check_weight_sharing"] is expected
