@@ -211,7 +211,9 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     if config.quant.is_quantized:
         graphs = _quantize(static, programs, config, tokenizer, texts, result)
         if not config.float_io:
-            contract, quantized_io = _integer_io(static.contract, graphs)
+            from optimum_qnn.quant_io import integer_io
+
+            contract, quantized_io = integer_io(static.contract, graphs)
         sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
         del programs
         if evaluate is None:
@@ -249,20 +251,6 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             result.variants.append(path)
             write_model_card(output)  # the folder is complete as published: its card lists every variant
     return result
-
-
-def _integer_io(contract, graphs) -> tuple[RunnerContract, dict[str, frozenset[int]]]:
-    """The contract of a quantized export with uint16 masks, caches and logits, and the inputs to keep integer
-    per method. Prefill and decode were quantized with shared observers, so their IO encodings must agree."""
-    from optimum_qnn.quant_io import io_encodings, quantized_inputs
-
-    encodings = {name: io_encodings(graph, contract.method(name)) for name, graph in graphs.items()}
-    first, *others = encodings.values()
-    for name, other in zip(list(encodings)[1:], others):
-        if other != first:
-            diff = sorted(k for k in first if other.get(k) != first[k])
-            raise RuntimeError(f"{name}'s IO encodings differ from {next(iter(encodings))}'s for {diff}; export with --float-io")
-    return contract.with_quantized_io(first), {name: quantized_inputs(contract.method(name)) for name in graphs}
 
 
 class _ShardProgress(logging.Handler):

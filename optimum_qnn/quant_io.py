@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from optimum_qnn.contract import MethodSpec
+from optimum_qnn.contract import MethodSpec, RunnerContract
 
 # Inputs that become integer IO: the two masks and every cache. Every output does.
 _FLOAT_INPUTS = ("tokens", "input_pos")
@@ -113,3 +113,18 @@ def _encoding(node: torch.fx.Node) -> tuple[float, int, str]:
     # quantize/dequantize_per_tensor(x, scale, zero_point, quant_min, quant_max, dtype)
     _, scale, zero_point, quant_min, quant_max = node.args[:5]
     return float(scale), int(zero_point), str(io_dtype(quant_min, quant_max)).removeprefix("torch.")
+
+
+def integer_io(
+    contract: RunnerContract, graphs: dict[str, torch.fx.GraphModule]
+) -> tuple[RunnerContract, dict[str, frozenset[int]]]:
+    """The contract of a quantized export with integer masks, caches and logits, and per method the positions of
+    the inputs to keep integer. Prefill and decode were quantized with shared observers, so their IO encodings must
+    agree (a difference raises `RuntimeError` naming the tensors)."""
+    encodings = {name: io_encodings(graph, contract.method(name)) for name, graph in graphs.items()}
+    first, *others = encodings.values()
+    for name, other in zip(list(encodings)[1:], others):
+        if other != first:
+            diff = sorted(k for k in first if other.get(k) != first[k])
+            raise RuntimeError(f"{name}'s IO encodings differ from {next(iter(encodings))}'s for {diff}; export with --float-io")
+    return contract.with_quantized_io(first), {name: quantized_inputs(contract.method(name)) for name in graphs}
