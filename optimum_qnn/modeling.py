@@ -197,28 +197,15 @@ class QNNModelForCausalLM:
         Stops at an EOS id (default: the manifest's), at ``max_new_tokens``, or at the end of the context
         (``self.stats.stopped_by`` says which). ``streamer`` gets ``put(tensor)`` per new token and ``end()``.
         """
-        prompt = self._prompt_ids(input_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
-        _check_sampling(do_sample, temperature, top_k, top_p)
-        if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-            raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+        prompt = prompt_ids(input_ids)
+        check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator)
         capacity = self._session.capacity
         if prompt.numel() > capacity:
             raise ContextOverflowError(
                 f"The prompt has {prompt.numel()} tokens but the exported context holds {capacity}; "
                 "shorten it or export with a larger --max-seq-len"
             )
-        if eos_token_id is None:
-            eos = set(self.eos_token_ids)
-        elif isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-            eos = {eos_token_id}
-        elif isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
-            eos = set(eos_token_id)
-        else:
-            raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
+        eos = eos_ids(eos_token_id, default=self.eos_token_ids)
         session = self._session
         session.reset()
         stats = GenerationStats(prompt_tokens=prompt.numel())
@@ -260,29 +247,6 @@ class QNNModelForCausalLM:
         self.stats = stats
         return torch.tensor(out, dtype=torch.long).unsqueeze(0)
 
-    def _prompt_ids(self, input_ids) -> torch.Tensor:
-        """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
-        try:
-            ids = torch.as_tensor(input_ids)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise InvalidInputError(
-                f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
-            ) from None
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise InvalidInputError(
-                f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
-                "or convert with .long() if the values are whole)"
-            )
-        if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
-            raise InvalidInputError(
-                f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
-                "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
-            )
-        ids = ids.reshape(-1).long()
-        if ids.numel() == 0:
-            raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
-        return ids  # the range of the ids is checked by the session, for every call
-
     def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
         """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
         if not isinstance(prompt, str):
@@ -299,6 +263,52 @@ class QNNModelForCausalLM:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         out = self.generate(torch.tensor(ids), **kwargs)
         return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def prompt_ids(input_ids) -> torch.Tensor:
+    """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InvalidInputError(
+            f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
+        ) from None
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InvalidInputError(
+            f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
+            "or convert with .long() if the values are whole)"
+        )
+    if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
+        raise InvalidInputError(
+            f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
+            "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
+        )
+    ids = ids.reshape(-1).long()
+    if ids.numel() == 0:
+        raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
+    return ids  # the range of the ids is checked by the session, for every call
+
+
+def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator) -> None:
+    """The arguments of `generate` besides the prompt, checked before the first token (host and phone alike)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+    _check_sampling(do_sample, temperature, top_k, top_p)
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+
+
+def eos_ids(eos_token_id, *, default: Sequence[int]) -> set[int]:
+    """`generate`'s ``eos_token_id`` as a set of ids: None means ``default`` (the manifest's)."""
+    if eos_token_id is None:
+        return set(default)
+    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+        return {eos_token_id}
+    if isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
+        return set(eos_token_id)
+    raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
 
 
 def _check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:

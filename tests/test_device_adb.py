@@ -328,6 +328,17 @@ def test_runner_crash_reports_its_stderr(artifact, setup, phone, monkeypatch, tm
 
     with pytest.raises(ContextOverflowError, match=f"takes at most {CTX - PREFILL}"):
         model.generate([5] * (CTX - PREFILL + 1))
+    # The same argument checks as on the host: float ids were silently truncated here before they were shared.
+    from optimum_qnn.errors import InvalidInputError
+
+    for bad, message in [
+        (dict(input_ids=torch.tensor([1.5, 2.0])), "integer token ids"),
+        (dict(input_ids=[[1, 2], [3, 4]]), "batch size 1"),
+        (dict(input_ids=[2, 3], eos_token_id="</s>"), "eos_token_id must be an int"),
+        (dict(input_ids=[2, 3], max_new_tokens=2.5), "max_new_tokens must be an integer"),
+    ]:
+        with pytest.raises(InvalidInputError, match=message):
+            model.generate(**bad)
 
 
 def test_run_command_streams_text_and_prints_stats(artifact, setup, phone, tokenizer, capsys):

@@ -49,7 +49,7 @@ from optimum_qnn.device.bundle import (
 )
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 from optimum_qnn.manifest import Manifest, resolve_inside, sha256_file
-from optimum_qnn.modeling import GenerationStats, QNNModelForCausalLM
+from optimum_qnn.modeling import GenerationStats, QNNModelForCausalLM, check_generate_args, eos_ids, prompt_ids
 from optimum_qnn.sdk import check_runtime_can_load
 
 logger = logging.getLogger(__name__)
@@ -229,8 +229,10 @@ class PhoneModelForCausalLM:
         Sampling takes ``temperature`` only (the runner's sampler has fixed top-p and seeds itself from the clock).
         The runner writes its text when it exits, so ``streamer`` receives the tokens when the call ends.
         """
-        prompt = [int(t) for t in torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)]
-        self._check_request(prompt, max_new_tokens, do_sample, temperature, top_k, top_p, generator)
+        prompt = prompt_ids(input_ids).tolist()
+        check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator)
+        self._check_request(prompt, do_sample, top_k, top_p, generator)
+        stops = self.runner_stop_ids | eos_ids(eos_token_id, default=())  # the runner's own stop ids always apply
         stats = GenerationStats(prompt_tokens=len(prompt), stopped_by="max_new_tokens")
         new: list[int] = []
         if max_new_tokens > 0:
@@ -238,7 +240,6 @@ class PhoneModelForCausalLM:
             new = self._run(prompt, seq_len, temperature if do_sample else 0.0, stats)
             if len(prompt) + max_new_tokens > seq_len and len(new) == seq_len - len(prompt):
                 stats.stopped_by = "context_full"
-        stops = self.runner_stop_ids | _as_set(eos_token_id)
         cut = next((i + 1 for i, t in enumerate(new) if t in stops), None)
         if cut is not None:
             new, stats.stopped_by = new[:cut], "eos"
@@ -250,11 +251,8 @@ class PhoneModelForCausalLM:
         self.stats = stats
         return torch.tensor(prompt + new, dtype=torch.long).unsqueeze(0)
 
-    def _check_request(self, prompt, max_new_tokens, do_sample, temperature, top_k, top_p, generator) -> None:
-        if not prompt:
-            raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
-        if max_new_tokens < 0:
-            raise InvalidInputError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
+    def _check_request(self, prompt, do_sample, top_k, top_p, generator) -> None:
+        """What only the phone's runner refuses (the common checks are `check_generate_args`)."""
         vocab = self.contract.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
@@ -265,8 +263,6 @@ class PhoneModelForCausalLM:
                 f"The prompt has {len(prompt)} tokens but the phone's runner takes at most {limit} with this export "
                 f"(context {self.contract.context_len}); shorten it or export with a larger --max-seq-len"
             )
-        if do_sample and temperature <= 0:
-            raise InvalidInputError(f"temperature must be > 0 when sampling; got {temperature}")
         if do_sample and (top_k is not None or top_p is not None or generator is not None):
             raise InvalidInputError(
                 "The phone's runner samples with a temperature only (its top-p is fixed and it seeds itself): "
@@ -358,12 +354,6 @@ class PhoneModelForCausalLM:
                 proc.wait()
         reader.join()
         return returncode, streams
-
-
-def _as_set(eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        return set()
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
 
 def _load_tokenizer(root: Path):
