@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from optimum_qnn.config import EmbeddingQuant
+from optimum_qnn.weights import release_pages
 
 
 def register_quantized_embedding_ops() -> None:
@@ -80,6 +81,7 @@ class QuantizedEmbedding(nn.Module):
             for start in range(0, self.num_embeddings, rows):
                 stop = min(start + rows, self.num_embeddings)
                 q, s, z = self._quantize_rows(weight[start:stop], out_dtype)
+                release_pages(weight[start:stop])  # a table mapped from its checkpoint does not stay resident
                 scales[start:stop] = s
                 zero_points[start:stop] = z
                 if self.bits == 4:

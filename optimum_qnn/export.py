@@ -189,7 +189,12 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         stage_logger.info("%s", memory.summary())
         # Without --evaluate the Hugging Face model never runs: its embedding tables stay in their stored dtype
         # until they are quantized, and the model is released after the swap.
-        hf_model, load_report = load_text_model(folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None)
+        # A quantized export also keeps the linear weights as stored (bf16, in the file's pages) and casts them in
+        # its graph (optimum_qnn.weights): no fp32 copy of the decoder.
+        stored = evaluate is None and config.quant.is_quantized
+        hf_model, load_report = load_text_model(
+            folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None, matrices_in_stored_dtype=stored
+        )
     shapes = config.shapes
     hybrid = config.mode is ExportMode.HYBRID
     with _stage(result, "swap"):
@@ -200,7 +205,13 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         result.swap_summary = static.report.table()
         check_overrides_match(static.module, config)
         _swap_embeddings_for_cpu(static, config)
-        _lm_head_in_float32(static)
+        if stored:
+            from optimum_qnn.embedding import QuantizedEmbedding
+            from optimum_qnn.weights import upcast_in_graph
+
+            upcast_in_graph(static.module, keep=(QuantizedEmbedding,))
+        else:
+            _lm_head_in_float32(static)
         if evaluate is None:
             del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
     methods = [m.name for m in static.contract.methods]

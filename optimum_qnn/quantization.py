@@ -331,10 +331,39 @@ def _check_calibrated(prepared: torch.fx.GraphModule, what: str) -> None:
 
 
 def prepare(program, quantizer) -> torch.fx.GraphModule:
-    """Annotate and insert observers (`prepare_pt2e`) into an exported program or its `.module()`."""
+    """Annotate and insert observers (`prepare_pt2e`) into an exported program or its `.module()`.
+
+    A cast of a constant (a weight kept in its stored dtype, `weights.UpcastLinear`) is left unannotated: QnnQuantizer
+    treats a cast as an activation op and would observe the bf16 weight before it, so the weight's own observer
+    would land behind a Q/DQ pair that cannot be folded. Unannotated, the cast feeds the weight's observer and folds
+    into the quantized constant (`fold_weight_quantization`)."""
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    return prepare_pt2e(_as_graph_module(program), quantizer)
+    annotate = quantizer.annotate
+
+    def annotate_around_weight_casts(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        _mark_weight_casts_annotated(model)
+        return annotate(model)
+
+    quantizer.annotate = annotate_around_weight_casts
+    try:
+        return prepare_pt2e(_as_graph_module(program), quantizer)
+    finally:
+        del quantizer.annotate  # the instance attribute; the class's method is back
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout)
+
+
+def _mark_weight_casts_annotated(graph: torch.fx.GraphModule) -> int:
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
+
+    marked = 0
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target in _CASTS and getattr(node.args[0], "op", None) == "get_attr":
+            node.meta["quantization_annotation"] = QuantizationAnnotation(_annotated=True)
+            marked += 1
+    return marked
 
 
 def quantize(
@@ -362,17 +391,18 @@ def quantize(
     return convert(prepared)
 
 
-def convert(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def convert(prepared: torch.fx.GraphModule, memo: dict | None = None) -> torch.fx.GraphModule:
     """`convert_pt2e` with the weights' quantization folded into int constants, in bounded memory: row-chunked
     per-channel quantization (`kernels.chunked_weight_quantization`), no float copy of the dequantized weights
-    (`fold_weight_quantization`), and the float weights it replaced dropped from the graph."""
+    (`fold_weight_quantization`), and the float weights it replaced dropped from the graph. ``memo``: shared by the
+    graphs of one module, so each weight is quantized once (see `fold_weight_quantization`)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     from optimum_qnn.kernels import chunked_weight_quantization
 
     graph = convert_pt2e(prepared, fold_quantize=False)
     with chunked_weight_quantization():
-        fold_weight_quantization(graph)
+        fold_weight_quantization(graph, memo)
     _drop_unused_tensors(graph)
     return graph
 
@@ -474,8 +504,9 @@ def quantize_shared(
                 logger.info("Copied %d observers from %s to %s", count, calibrate_on, name)
     with stage("quantize"):
         converted: dict[str, torch.fx.GraphModule] = {}
+        memo: dict = {}  # each weight quantized once for all graphs
         for name in list(prepared):
-            graph = convert(prepared.pop(name))
+            graph = convert(prepared.pop(name), memo)
             if converted:
                 shared = share_equal_constants(next(iter(converted.values())), graph)
                 logger.info("%s shares %.0f MB of constants with %s", name, shared / 2**20, next(iter(converted)))
@@ -483,7 +514,7 @@ def quantize_shared(
         return converted
 
 
-def fold_weight_quantization(graph: torch.fx.GraphModule) -> None:
+def fold_weight_quantization(graph: torch.fx.GraphModule, memo: dict | None = None) -> None:
     """Replace each quantize op on a constant (a weight) by its quantized result, as `convert_pt2e(fold_quantize=True)`
     does, without its peak memory.
 
@@ -491,6 +522,11 @@ def fold_weight_quantization(graph: torch.fx.GraphModule) -> None:
     the dequantized float weights included: one fp32 copy of every weight (6.5 GB at Gemma-4-E2B widths with 2
     layers, 9 GB for the full model). This folder does not evaluate dequantize ops (their results are never folded
     anyway), so only the quantized weights are kept.
+
+    ``memo``: quantized weights by (weight tensor, quantize op, its parameters). The prefill and decode graphs of
+    one module read the same weight tensors with the same (copied) observer encodings: with one memo for both,
+    the second graph gets the first's integer tensors instead of quantizing every weight again (half the fold time,
+    and no second integer copy of the decoder before `share_equal_constants`).
     """
     from torchao.quantization.pt2e.constant_fold import ConstantFolder, replace_node_with_constant
     from torchao.quantization.pt2e.quantize_pt2e import _quant_node_constraint
@@ -506,7 +542,12 @@ def fold_weight_quantization(graph: torch.fx.GraphModule) -> None:
         def _deduce_value(self, node: torch.fx.Node):
             if node.op == "call_function" and node.target in dequantize_ops:
                 return self.unknown_value
-            return super()._deduce_value(node)
+            key = _fold_key(graph, node, self.env) if memo is not None and _quant_node_constraint(node) else None
+            if key is None:
+                return super()._deduce_value(node)
+            if key not in memo:
+                memo[key] = super()._deduce_value(node)
+            return memo[key]
 
     with torch.utils._python_dispatch._disable_current_modes():
         folder = QuantizeFolder(graph, skip_constructors=True)
@@ -523,6 +564,28 @@ def fold_weight_quantization(graph: torch.fx.GraphModule) -> None:
     graph.graph.eliminate_dead_code()
     graph.graph.lint()
     graph.recompile()
+
+
+def _fold_key(graph: torch.fx.GraphModule, node: torch.fx.Node, env: Mapping) -> tuple | None:
+    """What makes a quantize op on a weight the same in two graphs: the weight tensor it reads (through casts), the
+    op, and its other arguments by value (scales and zero points are small tensors). None if it reads no weight."""
+    source = node.args[0]
+    while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _CASTS:
+        source = source.args[0]
+    if not isinstance(source, torch.fx.Node) or source.op != "get_attr":
+        return None
+    weight = graph
+    for part in source.target.split("."):
+        weight = getattr(weight, part)
+    parts: list = [node.target, weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape)]
+    for arg in [*node.args[1:], *sorted(node.kwargs.items())]:
+        value = env.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
+        if isinstance(value, torch.Tensor):
+            value = (str(value.dtype), tuple(value.shape), value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, list):
+            value = tuple(value)
+        parts.append(value)
+    return tuple(parts)
 
 
 def _drop_unused_tensors(graph: torch.fx.GraphModule) -> None:

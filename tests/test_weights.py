@@ -1,0 +1,97 @@
+"""optimum_qnn.weights: a quantized export keeps the checkpoint's bf16 matrices (no fp32 copy of the decoder) and
+gets the same quantized program as from fp32 weights of the same values; table pages are handed back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+from optimum_qnn.weights import UpcastLinear, release_pages, upcast_in_graph
+from tests.gemma4_tiny import tiny_config, tiny_model
+
+
+def test_upcast_linear_is_the_fp32_linear_of_the_same_values():
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 24).to(torch.bfloat16)
+    x = torch.randn(3, 48)
+    reference = nn.functional.linear(x, linear.weight.float(), linear.bias.float())
+    holder = nn.Sequential(linear, nn.LayerNorm(24).to(torch.bfloat16))
+    kept = upcast_in_graph(holder)
+    assert isinstance(holder[0], UpcastLinear) and holder[0].weight is linear.weight  # adopted, not copied
+    assert holder[0].weight.dtype == torch.bfloat16 and kept == linear.weight.nbytes
+    assert holder[1].weight.dtype == torch.float32  # anything else becomes fp32
+    assert torch.equal(holder[0](x), reference)
+
+
+def test_upcast_in_graph_keeps_the_modules_it_is_told_to_keep():
+    holder = nn.Sequential(nn.Linear(8, 8), nn.Embedding(10, 8).to(torch.bfloat16))
+    assert upcast_in_graph(holder, keep=(nn.Embedding,)) == 0  # the fp32 Linear stays a Linear
+    assert type(holder[0]) is nn.Linear and holder[1].weight.dtype == torch.bfloat16
+
+
+def test_release_pages_drops_a_mapped_checkpoint_from_rss_and_keeps_its_values(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    table = torch.randn(4096, 1024).to(torch.bfloat16)  # 8 MiB
+    save_file({"t": table}, str(tmp_path / "t.safetensors"))
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as f:
+        mapped = f.get_tensor("t")
+    before = _rss_file_kb()
+    mapped.float().sum()  # touch every page
+    touched = _rss_file_kb()
+    assert touched - before > 6000
+    assert release_pages(mapped)
+    assert touched - _rss_file_kb() > 6000
+    assert torch.equal(mapped, table)  # read back from the file
+
+
+def _rss_file_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.fixture(scope="module")
+def bf16_and_fp32_checkpoints(tmp_path_factory):
+    """One tiny model's weights rounded to bf16, stored once as bf16 and once as fp32 (the same values)."""
+    root = tmp_path_factory.mktemp("stored-dtype")
+    model = tiny_model(tiny_config()).to(torch.bfloat16)
+    model.save_pretrained(root / "bf16")
+    model.to(torch.float32).save_pretrained(root / "fp32")
+    return root
+
+
+def test_bf16_checkpoint_exports_the_program_of_its_fp32_values(bf16_and_fp32_checkpoints, tmp_path, qnn_sdk):
+    """The quantized export of a bf16 checkpoint (matrices kept in bf16, cast in the graph) computes what the export
+    of the same values stored in fp32 (the path without casts) computes.
+
+    Not bit for bit: the integer weights are identical, but calibration's fp32 GEMMs read the cast weights from
+    other buffers than the mapped fp32 ones, and the activation ranges they observe differ in the last bit
+    (measured: scales 1 ulp apart, 2 of 1040 zero points 1 apart), so a logit may move by one quantization step.
+    """
+    from optimum_qnn.export import export
+    from optimum_qnn.modeling import QNNModelForCausalLM
+
+    config = ExportConfig(
+        socs=(Soc.SM8650,), quant=QuantScheme.parse("16a8w"), mode=ExportMode.KV, shapes=ShapeConfig(32, 1),
+        weight_sharing=False,
+    )
+    logits, tokens = {}, {}
+    ids = torch.tensor([[2, 5, 17, 99, 3, 41, 7]])
+    for stored in ("bf16", "fp32"):
+        export(bf16_and_fp32_checkpoints / stored, tmp_path / stored, config)
+        model = QNNModelForCausalLM.from_pretrained(tmp_path / stored, soc="SM8650")
+        tokens[stored] = model.generate(ids, max_new_tokens=12).tolist()
+        session = model._session
+        session.reset()
+        logits[stored] = session.feed(ids[0]).clone()
+    noise = (logits["bf16"] - logits["fp32"]).pow(2).mean()
+    sqnr = float("inf") if noise == 0 else 10 * torch.log10(logits["fp32"].pow(2).mean() / noise).item()
+    print(f"bf16-stored vs fp32-stored export: logits SQNR {sqnr:.1f} dB")
+    assert sqnr >= 50 and tokens["bf16"] == tokens["fp32"]
