@@ -68,4 +68,37 @@ def chunked_weight_quantization() -> contextlib.AbstractContextManager:
             )
         return out
 
-    return cpu_kernels("quantized_decomposed", {"quantize_per_channel": quantize_per_channel})
+    return _both(
+        cpu_kernels("quantized_decomposed", {"quantize_per_channel": quantize_per_channel}),
+        cpu_kernels("torchao", {"quantize_affine": _chunked_quantize_affine}),
+    )
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def _chunked_quantize_affine(input, block_size, scale, zero_point, output_dtype, quant_min=None, quant_max=None):
+    """`torchao::quantize_affine` (the block-wise weights of `16a4w_block`) in row chunks when every row has its own
+    scales (block_size[0] == 1): torchao's reference makes several fp32 temporaries of the whole weight (the lm_head:
+    1.6 GB each at E2B widths)."""
+    from torchao.quantization import quant_primitives as reference
+
+    qmin, qmax = reference._get_and_check_qmin_qmax(output_dtype, quant_min, quant_max)
+    dtype = torch.uint8 if output_dtype in reference._SUB_BYTE_UINT_BOUNDS else output_dtype
+
+    def quantize(x, s, z):  # the body of torchao's `_quantize_affine` (calling the op would come back here)
+        return reference._quantize_affine_no_dtype_cast(x, block_size, s, z, qmin, qmax).to(dtype)
+
+    rows = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, input[0].numel())) if input.dim() else 1
+    per_row = input.dim() >= 2 and block_size[0] == 1 and scale.dim() >= 1 and scale.shape[0] == input.shape[0]
+    per_row = per_row and (zero_point is None or zero_point.shape[:1] == scale.shape[:1])
+    if not per_row or input.shape[0] <= rows:
+        return quantize(input, scale, zero_point)
+    out = torch.empty(input.shape, dtype=dtype)
+    for start in range(0, input.shape[0], rows):
+        stop = start + rows
+        out[start:stop] = quantize(input[start:stop], scale[start:stop], None if zero_point is None else zero_point[start:stop])
+    return out

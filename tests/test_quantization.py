@@ -435,6 +435,32 @@ def test_prefill_and_decode_share_quant_params(toy, scheme):
     assert any(p[2] != d[2] for p, d in zip(_qparams(alone), decode))
 
 
+@pytest.mark.parametrize("scheme", ["16a8w", "16a4w_block"])
+def test_each_weight_is_quantized_once_for_both_graphs(toy, scheme):
+    """With one memo, converting the decode graph after the prefill graph quantizes no weight again: it gets the
+    prefill graph's integer tensors (the same objects), which equal what it would compute itself."""
+    from optimum_qnn.quantization import convert, copy_observer_state, make_quantizer, prepare, tensor_attributes
+
+    quantizer = make_quantizer(scheme)
+    prefill, decode, alone = (prepare(toy.export(n), quantizer) for n in (PREFILL_AR, 1, 1))
+    with torch.no_grad():
+        toy.calibrate(PREFILL_AR)(prefill)
+    copy_observer_state(prefill, decode)
+    copy_observer_state(prefill, alone)
+    alone = convert(alone)
+    memo: dict = {}
+    prefill_graph = convert(prefill, memo)
+    weights_only = {torch.ops.quantized_decomposed.quantize_per_tensor.default}  # also constants of one graph
+    quantized = {key for key in memo if key[0] not in weights_only}
+    decode_graph = convert(decode, memo)
+    assert len(quantized) >= 7 and {key for key in memo if key[0] not in weights_only} == quantized
+    first = {name: t for name, t in tensor_attributes(prefill_graph) if not t.is_floating_point()}
+    ints = {name: t for name, t in tensor_attributes(decode_graph) if not t.is_floating_point() and t.dim() == 2}
+    own = dict(tensor_attributes(alone))
+    assert len(ints) >= 7 and all(t is first[name] for name, t in ints.items())  # the prefill graph's tensors
+    assert all(torch.equal(t, own[name]) for name, t in ints.items())  # = what the decode graph computes alone
+
+
 def test_copy_observer_state_rejects_other_graphs(toy):
     from optimum_qnn.quantization import copy_observer_state, make_quantizer, prepare
 
@@ -624,6 +650,27 @@ def test_chunked_weight_quantization_equals_reference_with_bounded_temporaries()
     # earlier frees left resident (measured 999.97 MB once), so the bound is one and a half of them.
     assert got_extra < 400 < 768 < ref_extra, (got_extra, ref_extra)
     torch.testing.assert_close(other_axis, op(w[:1024], torch.ones(512), torch.zeros(512, dtype=torch.int64), 1, -8, 7, torch.int8))
+
+
+def test_chunked_block_quantization_equals_reference_with_bounded_temporaries():
+    """The same for `torchao::quantize_affine`, the block-wise (LPBQ) weights of `16a4w_block`, whose reference makes
+    full-size fp32 temporaries of the whole weight."""
+    import torchao.quantization.quant_primitives  # noqa: F401  (defines torchao::quantize_affine)
+
+    from optimum_qnn.kernels import chunked_weight_quantization
+
+    w = torch.randn(1 << 18, 512)  # 512 MB
+    scales = w.view(w.shape[0], 8, 64).abs().amax(-1) / 7
+    zeros = torch.zeros(scales.shape, dtype=torch.int32)
+    op = torch.ops.torchao.quantize_affine
+
+    ref, ref_extra = peak_extra_mb(lambda: op(w, [1, 64], scales, zeros, torch.int8, -8, 7))
+    with chunked_weight_quantization():
+        got, got_extra = peak_extra_mb(lambda: op(w, [1, 64], scales, zeros, torch.int8, -8, 7))
+        whole = op(w[:64], [64, 64], scales[:1].clone(), zeros[:1].clone(), torch.int8, -8, 7)  # one scale per 64 rows
+    assert torch.equal(got, ref) and got.dtype == torch.int8
+    assert got_extra < 400 < 768 < ref_extra, (got_extra, ref_extra)
+    assert torch.equal(whole, torch.ops.torchao.quantize_affine(w[:64], [64, 64], scales[:1].clone(), zeros[:1].clone(), torch.int8, -8, 7))
 
 
 @pytest.mark.parametrize("scheme", ["16a8w", "16a4w_block"])
