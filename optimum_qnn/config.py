@@ -141,15 +141,15 @@ class SizeBudget:
     def parse(cls, text: str) -> "SizeBudget":
         """`"25%"` (share of the linear weights at 8 bits) or `"1.3GB"` / `"1.3"` (GB of HTP linear weights)."""
         value = str(text).strip().lower()
+        share = value.endswith("%")
         try:
-            if value.endswith("%"):
-                return cls(share=float(value[:-1]) / 100)
-            return cls(gigabytes=float(value.removesuffix("gb")))
+            number = float(value[:-1] if share else value.removesuffix("gb"))
         except ValueError:
             raise InvalidInputError(
                 f"Cannot parse --size-budget {text!r}; expected a share of the linear weights kept at 8 bits such as "
                 "'25%', or the gigabytes the HTP linear weights may take such as '1.3GB'"
             ) from None
+        return cls(share=number / 100) if share else cls(gigabytes=number)
 
     def upgradable(self, params: int, low_bits: int, high_bits: int) -> int:
         """How many of `params` linear weight parameters may go from `low_bits` to `high_bits`.
