@@ -228,3 +228,28 @@ def test_recipe_beats_plain_16a4w_block_on_the_demo_model(demo_model_dir, qnn_sd
             scores[name] = sqnr_db(session.feed(held_out), reference)
     # Measured: about 23 dB plain, 32 dB with the recipe (1024 held-out tokens, context 128: 22.9 and 32.9).
     assert scores["recipe"] > scores["plain"] + 5, scores
+
+
+@pytest.mark.slow  # one export with lowering of the tiny random model: about 3 min on the loaded 2-core machine
+def test_recipe_export_records_its_plan(random_model_dir, tmp_path, qnn_sdk):
+    """A real export with the recipe: the plan is in the manifest, the kept linears got 8-bit weights, the variant is
+    named after the recipe and the model card shows the plan."""
+    from optimum_qnn.config import EmbeddingQuant, Soc
+    from optimum_qnn.export import export
+    from optimum_qnn.manifest import read_manifest
+
+    config = ExportConfig(**recipe_fields("16a4w_e2b"), socs=(Soc.SM8650,), mode=ExportMode.KV,
+                          shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(8, 0))
+    result = export(random_model_dir, tmp_path / "out", config)
+    (variant,) = result.variants
+    assert variant.name == "16a4w_e2b-ctx32-kv"
+    quantization = read_manifest(variant).quantization
+    plan = quantization.mixed_precision
+    assert (quantization.scheme, quantization.named_recipe, quantization.weight_ranges) == ("16a4w_block", "16a4w_e2b", "output-mse")
+    assert plan.size_budget == "25%" and 0 < plan.kept_share <= 0.25
+    kept = {r.module for r in plan.linears if r.kept}
+    assert kept == set(result.mixed_plan.kept) and kept
+    # Every kept linear, and only those, has 8-bit weights in the quantization summary.
+    eight_bit = [r for r in quantization.recipe if r.op == "linear" and r.weight.startswith("int8")]
+    assert sum(r.count for r in eight_bit) == len(kept), eight_bit
+    assert "## Mixed precision of `qnn/sm8650/16a4w_e2b-ctx32-kv`" in (tmp_path / "out" / "README.md").read_text()
