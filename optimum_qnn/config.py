@@ -391,7 +391,7 @@ def _compile_override(pattern: object) -> re.Pattern:
         ) from None
 
 
-# Named recipes: a scheme plus the options that measured best together (benchmarks/RESULTS.md). `16a4w_e2b` is the
+# Named recipes: a scheme plus the options that measured best together (benchmarks/QUANT_NOTES.md). `16a4w_e2b` is the
 # phone default for Gemma-4-E2B: 4-bit LPBQ weights (block 64), output-MSE weight ranges, and the most
 # logit-sensitive quarter of the linear weights at 8 bits.
 RECIPES: dict[str, dict[str, object]] = {
