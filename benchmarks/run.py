@@ -33,7 +33,8 @@ import io_bytes  # noqa: E402
 import peer  # noqa: E402
 import tiny_gemma4  # noqa: E402
 
-SCHEMES = ["fp16", "16a16w", "16a8w", "16a4w", "16a4w_block", "8a8w"]
+# 16a4w_e2b is a recipe (optimum_qnn.config.RECIPES): 16a4w_block plus output-MSE ranges and a 25% 8-bit plan.
+SCHEMES = ["fp16", "16a16w", "16a8w", "16a4w", "16a4w_block", "16a4w_e2b", "8a8w"]
 CONTEXT, PREFILL = 128, 16
 EVAL_TOKENS = 1024
 EMBEDDING_BITS = {"fp16": 0}  # CPU-side tables: float for fp16, 8-bit per row otherwise
@@ -60,8 +61,9 @@ def held_out_text() -> str:
 
 
 def size_lower_bound_bytes(hf_model, scheme: str) -> float:
-    """Parameters x bits: the HTP weights at the scheme's width, the CPU embedding tables at theirs."""
-    from optimum_qnn.config import QuantScheme
+    """Parameters x bits: the HTP weights at the scheme's width (a recipe's: its scheme's), the CPU embedding tables
+    at theirs."""
+    from optimum_qnn.config import RECIPES, QuantScheme
 
     embed = {id(p) for name, p in hf_model.named_parameters() if "embed_tokens" in name}
     n_embed = sum(p.numel() for p in hf_model.parameters() if id(p) in embed)
@@ -69,7 +71,8 @@ def size_lower_bound_bytes(hf_model, scheme: str) -> float:
     # lm_head is tied to the token table but is a separate HTP copy in the .pte.
     n_rest += hf_model.lm_head.weight.numel()
     embed_bits = EMBEDDING_BITS.get(scheme, 8) or 32
-    return (n_rest * QuantScheme.parse(scheme).weight_bits + n_embed * embed_bits) / 8
+    quant = RECIPES[scheme]["quant"] if scheme in RECIPES else QuantScheme.parse(scheme)
+    return (n_rest * quant.weight_bits + n_embed * embed_bits) / 8
 
 
 def stage_costs(result) -> dict[str, list[float]]:
@@ -92,15 +95,16 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int) -> dict:
 
     from optimum_qnn import StaticCausalLM
     from optimum_qnn.calibration import CalibrationSource
-    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.config import RECIPES, EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc, recipe_fields
     from optimum_qnn.contract import DECODE_METHOD
     from optimum_qnn.evaluation import sqnr_db
     from optimum_qnn.export import export
     from optimum_qnn.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
+    fields = recipe_fields(scheme) if scheme in RECIPES else {"quant": QuantScheme.parse(scheme)}
     config = ExportConfig(
-        socs=(Soc.SM8650,), quant=QuantScheme.parse(scheme), mode=ExportMode.HYBRID, shapes=ShapeConfig(CONTEXT, PREFILL),
+        **fields, socs=(Soc.SM8650,), mode=ExportMode.HYBRID, shapes=ShapeConfig(CONTEXT, PREFILL),
         embedding_quant=EmbeddingQuant(EMBEDDING_BITS.get(scheme, 8), 0), weight_sharing=False,
     )
     out = work / scheme

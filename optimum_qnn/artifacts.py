@@ -34,6 +34,7 @@ from typing import Any
 from optimum_qnn.config import ExportConfig, ExportMode, Soc
 from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.manifest import (
+    mixed_precision_section,
     MANIFEST_NAME,
     PROGRAM_NAME,
     SCHEMA_VERSION,
@@ -178,7 +179,7 @@ class VariantWriter:
 
     def write_variant(
         self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None, evaluate=None,
-        inspection=None,
+        inspection=None, mixed_plan=None,
     ) -> Path:
         """Write one variant atomically; returns its folder.
 
@@ -211,6 +212,8 @@ class VariantWriter:
                     embedding=str(config.embedding_quant),
                     kv_io_bits=contract.kv_io_bits,
                     recipe=[QuantRecipeRow(r.module, r.op, r.activation, r.weight, r.count) for r in quant_rows or []],
+                    named_recipe=config.recipe, weight_ranges=config.weight_ranges.value,
+                    mixed_precision=mixed_precision_section(mixed_plan),
                 ),
                 contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards),
                 tokenizer=self._tokenizer_info(root_files),

@@ -19,9 +19,13 @@ from optimum_qnn.config import (
     EmbeddingQuant,
     ExportConfig,
     ExportMode,
+    RECIPES,
     QuantScheme,
     ShapeConfig,
+    SizeBudget,
     Soc,
+    WeightRanges,
+    recipe_fields,
 )
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
 from optimum_qnn.memory import parse_max_memory
@@ -47,7 +51,19 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt.add_argument(
         "--quant", default=_DEFAULTS.quant.value, metavar="SCHEME",
-        help=f"quantization of the HTP graph: {', '.join(q.value for q in QuantScheme)} (default: %(default)s)",
+        help=f"quantization of the HTP graph: {', '.join(q.value for q in QuantScheme)}, or a recipe: "
+             f"{', '.join(RECIPES)} (16a4w_e2b: the phone default for Gemma-4-E2B; default: %(default)s)",
+    )
+    opt.add_argument(
+        "--size-budget", default=None, metavar="SHARE%|GB",
+        help="4-bit schemes: keep the linears whose 4-bit rounding most changes the logits at 8 bits, within this "
+             "share of the linear weights (e.g. '25%%') or this size of the HTP linear weights (e.g. '1.3GB'); the "
+             "plan and each linear's measured sensitivity are printed and recorded in the manifest",
+    )
+    opt.add_argument(
+        "--weight-ranges", default=None, choices=[w.value for w in WeightRanges],
+        help="4-bit weight scales: min-max, or clipped per channel by output error on the calibration text "
+             "(default: minmax; output-mse in the 16a4w_e2b recipe)",
     )
     opt.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, choices=BLOCK_SIZES, help="block size of 16a4w_block (default: %(default)s)")
     opt.add_argument(
@@ -99,10 +115,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ExportConfig:
     """Map parsed arguments onto the export config (bad values raise InvalidInputError naming the allowed ones)."""
+    fields = recipe_fields(args.quant) if args.quant in RECIPES else {"quant": QuantScheme.parse(args.quant)}
+    if args.size_budget is not None:
+        fields["size_budget"] = SizeBudget.parse(args.size_budget)
+    if args.weight_ranges is not None:
+        fields["weight_ranges"] = WeightRanges.parse(args.weight_ranges)
     return ExportConfig(
+        **{**fields, "block_size": args.block_size},
         socs=tuple(dict.fromkeys(Soc.parse(s) for s in args.soc)),
-        quant=QuantScheme.parse(args.quant),
-        block_size=args.block_size,
         mode=ExportMode.parse(args.mode),
         shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len),
         embedding_quant=None if args.embedding_quant is None else EmbeddingQuant.parse(args.embedding_quant),
@@ -149,6 +169,8 @@ def run_export(args: argparse.Namespace) -> int:
         from optimum_qnn.quantization import format_quant_summary
 
         print("\nQuantization:\n" + format_quant_summary(result.quant_rows))
+    if result.mixed_plan is not None:
+        print("\n" + result.mixed_plan.table())
     for soc, table in result.delegation.items():
         print(f"\nDelegation ({soc}):\n{table}")
     print("\nStages:\n" + result.stage_table())

@@ -95,6 +95,82 @@ class ExportMode(enum.Enum):
 BLOCK_SIZES = (32, 64)
 
 
+class WeightRanges(enum.Enum):
+    """How the 4-bit weight scales are chosen.
+
+    `minmax`: each channel's (block's) largest weight sets its scale. `output-mse`: per output channel, the clip
+    of that range (1.0 down to 0.5) whose rounding error least changes the linear's output on the calibration
+    activations (the SeqMSE idea of ExecuTorch's Qualcomm flow, searched per channel; see optimum_qnn.weight_search).
+    """
+
+    MINMAX = "minmax"
+    OUTPUT_MSE = "output-mse"
+
+    @classmethod
+    def parse(cls, value: object) -> "WeightRanges":
+        return _parse_enum(cls, value, "weight range method")
+
+
+_GB = 2**30
+
+
+@dataclass(frozen=True)
+class SizeBudget:
+    """How much of a 4-bit export may stay at 8-bit weights (the most logit-sensitive linears first).
+
+    Exactly one of: `share`, the fraction (0, 1] of the HTP linear weights' parameters kept at 8 bits; or
+    `gigabytes`, the most the HTP linear weights may take (4-bit ones plus the 8-bit ones kept).
+    """
+
+    share: float | None = None
+    gigabytes: float | None = None
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.share, self.gigabytes) if v is not None]
+        if len(given) != 1 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in given):
+            raise InvalidInputError(
+                f"A size budget is one number: a share of the linear weights such as '25%', or gigabytes such as "
+                f"'1.3GB'; got share={self.share!r}, gigabytes={self.gigabytes!r}"
+            )
+        if self.share is not None and not 0 < self.share <= 1:
+            raise InvalidInputError(f"--size-budget share must lie in (0%, 100%]; got {self.share * 100:g}%; e.g. '25%'")
+        if self.gigabytes is not None and self.gigabytes <= 0:
+            raise InvalidInputError(f"--size-budget must be a positive number of GB, e.g. '1.3GB'; got {self.gigabytes!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "SizeBudget":
+        """`"25%"` (share of the linear weights at 8 bits) or `"1.3GB"` / `"1.3"` (GB of HTP linear weights)."""
+        value = str(text).strip().lower()
+        share = value.endswith("%")
+        try:
+            number = float(value[:-1] if share else value.removesuffix("gb"))
+        except ValueError:
+            raise InvalidInputError(
+                f"Cannot parse --size-budget {text!r}; expected a share of the linear weights kept at 8 bits such as "
+                "'25%', or the gigabytes the HTP linear weights may take such as '1.3GB'"
+            ) from None
+        return cls(share=number / 100) if share else cls(gigabytes=number)
+
+    def upgradable(self, params: int, low_bits: int, high_bits: int) -> int:
+        """How many of `params` linear weight parameters may go from `low_bits` to `high_bits`.
+
+        Raises:
+            InvalidInputError: a GB budget below the size of every weight at `low_bits`.
+        """
+        if self.share is not None:
+            return int(self.share * params)
+        floor = params * low_bits / 8
+        if self.gigabytes * _GB < floor:
+            raise InvalidInputError(
+                f"--size-budget {self}: this model's HTP linear weights take {floor / _GB:.4g} GB at {low_bits} bits "
+                f"already; give at least that, or a share of them to keep at {high_bits} bits such as '25%'"
+            )
+        return min(params, int((self.gigabytes * _GB - floor) * 8 / (high_bits - low_bits)))
+
+    def __str__(self) -> str:
+        return f"{self.share * 100:g}%" if self.share is not None else f"{self.gigabytes:g}GB"
+
+
 @dataclass(frozen=True)
 class EmbeddingQuant:
     """Weight-only quantization of the CPU-side embedding tables (`bits,group`, e.g. `4,32`).
@@ -225,6 +301,12 @@ class ExportConfig:
     # Quantized schemes: masks, caches and logits cross the graph boundary as uint16 (ExecuTorch's Qualcomm flow
     # does the same); True keeps them float32, quantized inside the graph on every call. Ignored for fp16.
     float_io: bool = False
+    # 4-bit schemes: keep the linears whose 4-bit rounding most changes the logits (measured on the calibration
+    # text) at 8 bits within this budget (optimum_qnn.mixed_precision). None: every linear at the scheme's width.
+    size_budget: SizeBudget | None = None
+    weight_ranges: WeightRanges = WeightRanges.MINMAX
+    # The named recipe these settings came from (`RECIPES`), which names the variant; None: named by the scheme.
+    recipe: str | None = None
 
     def __post_init__(self) -> None:
         # Wrong types from Python callers get the same clear error as wrong values from the command line.
@@ -264,6 +346,17 @@ class ExportConfig:
             _compile_override(pattern)
         if self.overrides and not self.quant.is_quantized:
             raise InvalidInputError("Quantization overrides need a quantized --quant scheme; fp16 has nothing to override")
+        if self.size_budget is not None and (not isinstance(self.size_budget, SizeBudget) or self.quant.weight_bits != 4):
+            raise InvalidInputError(
+                f"--size-budget keeps the most sensitive linears of a 4-bit export at 8 bits; it needs --quant "
+                f"16a4w, 16a4w_block or a 4-bit recipe ({', '.join(RECIPES)}), not {self.quant.value}"
+            )
+        if not isinstance(self.weight_ranges, WeightRanges):
+            raise InvalidInputError(f"ExportConfig.weight_ranges must be a WeightRanges (WeightRanges.parse('output-mse')); got {self.weight_ranges!r}")
+        if self.weight_ranges is not WeightRanges.MINMAX and self.quant.weight_bits != 4:
+            raise InvalidInputError(f"--weight-ranges {self.weight_ranges.value} chooses 4-bit weight scales; it needs a 4-bit --quant, not {self.quant.value}")
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise InvalidInputError(f"Unknown recipe {self.recipe!r}; expected one of: {', '.join(RECIPES)}")
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
             raise InvalidInputError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
 
@@ -277,7 +370,9 @@ class ExportConfig:
 
     @property
     def quant_tag(self) -> str:
-        """Variant name part for the quant scheme, e.g. `16a4w_block64`."""
+        """Variant name part for the quant scheme, e.g. `16a4w_block64`, or the recipe's name."""
+        if self.recipe is not None:
+            return self.recipe
         if self.quant is QuantScheme.A16W4_BLOCK:
             return f"{self.quant.value}{self.block_size}"
         return self.quant.value
@@ -294,3 +389,21 @@ def _compile_override(pattern: object) -> re.Pattern:
             f"--quant-override pattern {pattern!r} is not a valid regular expression ({e}); escape special characters "
             "with a backslash, e.g. 'layers\\.0\\.' or 'lm_head'"
         ) from None
+
+
+# Named recipes: a scheme plus the options that measured best together (benchmarks/QUANT_NOTES.md). `16a4w_e2b` is the
+# phone default for Gemma-4-E2B: 4-bit LPBQ weights (block 64), output-MSE weight ranges, and the most
+# logit-sensitive quarter of the linear weights at 8 bits.
+RECIPES: dict[str, dict[str, object]] = {
+    "16a4w_e2b": dict(
+        quant=QuantScheme.A16W4_BLOCK, block_size=64, size_budget=SizeBudget(share=0.25),
+        weight_ranges=WeightRanges.OUTPUT_MSE,
+    ),
+}
+
+
+def recipe_fields(name: str) -> dict[str, object]:
+    """The ExportConfig fields of a named recipe (`ExportConfig(**recipe_fields("16a4w_e2b"), socs=...)`)."""
+    if name not in RECIPES:
+        raise InvalidInputError(f"Unknown recipe {name!r}; expected one of: {', '.join(RECIPES)}")
+    return {**RECIPES[name], "recipe": name}

@@ -24,9 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from optimum_qnn.artifacts import VariantWriter, check_output_folder, variant_name
-from optimum_qnn.calibration import CalibrationSource, token_sequences
+from optimum_qnn.calibration import CalibrationSource
 from optimum_qnn.config import ExportConfig, ExportMode
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+from optimum_qnn.contract import RunnerContract
 from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
@@ -39,7 +39,6 @@ from optimum_qnn.preflight import (
     read_texts,
     source_model_id,
 )
-from optimum_qnn.runner import KVSession
 
 logger = logging.getLogger(__name__)
 # One line per finished stage (time, memory): the CLI shows this logger without -v.
@@ -64,6 +63,7 @@ class ExportResult:
     stages: list[StageStats] = field(default_factory=list)
     delegation: dict[str, str] = field(default_factory=dict)
     quant_rows: list = field(default_factory=list)
+    mixed_plan: object = None  # optimum_qnn.mixed_precision.MixedPlan of a --size-budget export
     swap_summary: str = ""
 
     def stage_table(self) -> str:
@@ -257,7 +257,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         with _stage(result, f"write {soc.value}"):
             path = writer.write_variant(
                 variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
-                evaluate=evaluator, inspection=inspection,
+                evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
             )
             result.variants.append(path)
             write_model_card(output)  # the folder is complete as published: its card lists every variant
@@ -358,10 +358,6 @@ def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max
     return run
 
 
-# Below this many calibration tokens the activation ranges come from a handful of rows (the built-in sentences
-# give about 120 with the demo tokenizer).
-_MIN_CALIBRATION_TOKENS = 64
-
 # Ops that stay on the CPU side of the .pte: the embedding lookups (the per-layer table is far too large for
 # the NPU; quantized lookups are CPU kernels anyway).
 _CPU_OPS = frozenset({"aten.embedding.default"})
@@ -413,59 +409,11 @@ class ScaledLookup(torch.nn.Module):
 
 
 def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, texts: list[str], result: ExportResult):
-    from optimum_qnn.kernels import row_gather_lookups
-    from optimum_qnn.quantization import make_quantizer, quant_summary, quantize_shared
+    from optimum_qnn.ptq import quantize_static
 
-    from optimum_qnn.sdk import ensure_qnn_sdk
-
-    ensure_qnn_sdk()  # QnnQuantizer needs QNN_SDK_ROOT before executorch's Qualcomm code is imported
-    contract = static.contract
-    quantizer = make_quantizer(
-        config.quant, block_size=config.block_size, soc=config.socs[0], overrides=dict(config.overrides) or None
+    graphs, result.quant_rows, result.mixed_plan = quantize_static(
+        static, programs, config, tokenizer, texts, stage=lambda name: _stage(result, name)
     )
-    calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
-    bos = static.text_config.bos_token_id
-    if tokenizer is not None:
-        seqs = token_sequences(tokenizer, texts, contract.context_len, bos)
-        tokens = sum(len(seq) for seq in seqs)
-        enough = max(_MIN_CALIBRATION_TOKENS, 2 * contract.method(calibrate_on).ar_len)
-        if tokens < enough:
-            logger.warning(
-                "Calibrating on only %d tokens (%d samples): too few to set activation ranges reliably (want %d or "
-                "more); pass a --calib-file with more text of the target domain",
-                tokens, len(seqs), enough,
-            )
-    else:
-        # No tokenizer: two calls' worth of random ids (at least 64), so every observer sees data.
-        gen = torch.Generator().manual_seed(0)
-        length = min(contract.context_len - 1, max(64, 2 * contract.method(calibrate_on).ar_len))
-        seqs = [torch.randint(0, contract.vocab_size, (length,), generator=gen).tolist()]
-
-    def calibrate(prepared: torch.nn.Module) -> None:
-        # Run the calibration text through the prepared graph exactly as a runner drives the .pte: chunked
-        # prefill with real cache contents, so the KV observers see filled caches, not zeros.
-        spec = contract.method(calibrate_on)
-        session = KVSession(contract, {spec.name: lambda inputs: prepared(*inputs)})
-        with row_gather_lookups():
-            for seq in tqdm(seqs, desc="Calibrating", unit="sample"):
-                session.reset()
-                ids = torch.tensor(seq)
-                # Whole calls of the calibrated method, so padding rows do not dilute the statistics; a sample
-                # shorter than one call goes in as one padded call (as a runner feeds a short prompt).
-                usable = (ids.numel() // spec.ar_len) * spec.ar_len or ids.numel()
-                session.feed_method(spec.name, ids[:usable])
-
-    tie = None
-    if not config.float_io:  # integer IO: new K/V must come out in their cache's encoding
-        from optimum_qnn.quant_io import tie_cache_observers
-
-        def tie(name: str, prepared) -> None:
-            logger.debug("%s: %d new K/V outputs tied to their cache's observer", name, tie_cache_observers(prepared, contract.method(name)))
-
-    graphs = quantize_shared(
-        programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=lambda name: _stage(result, name), tie=tie
-    )
-    result.quant_rows = quant_summary(graphs[calibrate_on])
     return graphs
 
 

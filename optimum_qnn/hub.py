@@ -235,9 +235,11 @@ def model_card(output_dir: str | Path) -> str:
 
     output_dir = Path(output_dir)
     index = _read_index_for_push(output_dir)
-    rows, socs, quants, base_models = [], [], [], []
+    rows, socs, quants, base_models, plans = [], [], [], [], []
     for entry in index["variants"]:
         manifest = read_manifest(resolve_inside(output_dir, entry["path"]))
+        if manifest.quantization.mixed_precision is not None:
+            plans.append(_plan_section(entry["path"], manifest.quantization))
         socs.append(manifest.target.soc.lower())
         quants.append(entry["quant"])
         model_id = manifest.source.model_id
@@ -299,8 +301,28 @@ def model_card(output_dir: str | Path) -> str:
             "",
             "Only the chosen variant's folder and the shared root files are downloaded.",
             "",
+            *plans,
         ]
     )
+
+
+def _plan_section(path: str, quantization) -> str:
+    """A variant's mixed-precision plan: the linears kept at 8 bits and why (their measured sensitivity)."""
+    plan = quantization.mixed_precision
+    kept = [r for r in plan.linears if r.kept]
+    lines = [
+        f"## Mixed precision of `{path}`",
+        "",
+        f"Recipe `{quantization.named_recipe or quantization.scheme}`, weight ranges `{quantization.weight_ranges}`. "
+        f"Within the size budget {plan.size_budget}, {len(kept)} of {len(plan.linears)} linears "
+        f"({plan.kept_share:.1%} of their weights) stay at {plan.kept_scheme}: those whose 4-bit rounding alone cost "
+        "the logits most per parameter on the calibration text.",
+        "",
+        "| linear | parameters | logits SQNR with only it at 4 bits (dB) | kept at |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{r.module}` | {r.params} | {r.sqnr_db:.1f} | {plan.kept_scheme if r.kept else '4-bit'} |" for r in plan.linears]
+    return "\n".join(lines + [""])
 
 
 def write_model_card(output_dir: str | Path) -> Path:

@@ -74,12 +74,33 @@ class QuantRecipeRow:
 
 
 @dataclass(frozen=True)
+class LinearPlanRow:
+    module: str
+    params: int
+    sqnr_db: float  # logits SQNR with only this linear at 4 bits, on the calibration text
+    kept: bool  # kept at the plan's higher precision
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The `--size-budget` plan: which linears a 4-bit export kept at 8 bits, and each linear's measured sensitivity."""
+
+    size_budget: str
+    kept_scheme: str
+    kept_share: float  # of the linear weights' parameters
+    linears: list[LinearPlanRow]
+
+
+@dataclass(frozen=True)
 class Quantization:
     scheme: str
     block_size: int | None
     embedding: str
     kv_io_bits: int
     recipe: list[QuantRecipeRow]
+    named_recipe: str | None = None  # e.g. "16a4w_e2b" (optimum_qnn.config.RECIPES)
+    weight_ranges: str = "minmax"
+    mixed_precision: MixedPrecision | None = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +414,14 @@ def json_schema() -> dict[str, Any]:
         **root,
         "$defs": defs,
     }
+
+
+def mixed_precision_section(plan) -> MixedPrecision | None:
+    """The manifest's view of an `optimum_qnn.mixed_precision.MixedPlan` (None: no plan)."""
+    if plan is None:
+        return None
+    rows = [LinearPlanRow(r.module, r.params, round(min(r.sqnr_db, 200.0), 2), r.kept) for r in plan.rows]  # JSON has no inf
+    return MixedPrecision(plan.budget, plan.high.value, round(plan.kept_share, 4), rows)
 
 
 def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Contract:

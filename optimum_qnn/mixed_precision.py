@@ -1,0 +1,159 @@
+"""A sensitivity-ranked mixed-precision plan for 4-bit exports (`--size-budget`).
+
+At 4 bits the logits' error is the sum of many small ones: on the demo Gemma4 no linear class costs more than a
+fifth of it (benchmarks/QUANT_NOTES.md has the table), so keeping one class (say lm_head) at 8 bits buys about
+1 dB. What pays is ranking single linears by the logit error their 4-bit rounding causes *per parameter*, and
+keeping the top of that list at 8 bits until the budget is spent: small, early, shared linears (the per-layer
+input projections, layer 0's attention, the KV-producing k/v projections) cost far more than their size.
+
+Each linear is measured alone: its weight rounded to 4 bits as the quantizer would (`weight_search.
+fake_quantize_weight`), every other weight float, the calibration text run through the eager model, and the
+noise power of the logits against float divided by their power (the inverse of its SQNR).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from optimum_qnn.config import QuantScheme, SizeBudget
+from optimum_qnn.weight_search import fake_quantize_weight
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinearSensitivity:
+    """What rounding one linear's weight to 4 bits does to the logits (the others float).
+
+    Args:
+        module: the linear's module path.
+        params: its weight's parameter count.
+        sqnr_db: logits SQNR with only this weight at 4 bits (higher: less sensitive).
+        kept: whether the plan keeps it at 8 bits.
+    """
+
+    module: str
+    params: int
+    sqnr_db: float
+    kept: bool
+
+    @property
+    def noise_per_param(self) -> float:
+        return 10 ** (-self.sqnr_db / 10) / max(self.params, 1)
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """Which linears a 4-bit export keeps at 8 bits, and why (their measured sensitivity).
+
+    Args:
+        budget: the `--size-budget` it was planned within, e.g. `25%`.
+        high: the scheme kept linears get (`16a8w`).
+        rows: every linear, most sensitive per parameter first.
+    """
+
+    budget: str
+    high: QuantScheme
+    rows: tuple[LinearSensitivity, ...]
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        return tuple(r.module for r in self.rows if r.kept)
+
+    @property
+    def kept_share(self) -> float:
+        total = sum(r.params for r in self.rows)
+        return sum(r.params for r in self.rows if r.kept) / total if total else 0.0
+
+    def overrides(self) -> tuple[tuple[str, QuantScheme], ...]:
+        """Quantizer overrides (exact module paths) that keep the planned linears at `high`."""
+        return tuple((f"^{re.escape(name)}$", self.high) for name in self.kept)
+
+    def table(self) -> str:
+        """The per-linear sensitivity report, most sensitive per parameter first."""
+        lines = [
+            f"Mixed precision within --size-budget {self.budget}: {len(self.kept)} of {len(self.rows)} linears "
+            f"({self.kept_share:.1%} of their weights) kept at {self.high.value}",
+            f"{'linear':<44} {'params':>9} {'SQNR dB alone at 4 bit':>22}  plan",
+        ]
+        lines += [
+            f"{r.module:<44} {r.params:>9} {r.sqnr_db:>22.1f}  {self.high.value if r.kept else '4-bit'}"
+            for r in self.rows
+        ]
+        return "\n".join(lines)
+
+
+def htp_linears(module: nn.Module) -> dict[str, nn.Linear]:
+    """The linears of the HTP graph, by module path (the embedding tables are lookups, not linears)."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _noise_ratio(got: torch.Tensor, ref: torch.Tensor, power: float) -> float:
+    return float((got.double() - ref.double()).pow(2).mean()) / power
+
+
+def measure_sensitivity(
+    linears: Mapping[str, nn.Linear],
+    run_logits: Callable[[], torch.Tensor],
+    block_of: Callable[[nn.Linear], int | None],
+    progress: Callable[[list[str]], list[str]] = lambda names: names,
+) -> dict[str, float]:
+    """Logits SQNR (dB) with each linear alone rounded to 4 bits.
+
+    Args:
+        linears: module path -> linear of the model `run_logits` runs.
+        run_logits: runs the calibration samples through the model; returns their logits.
+        block_of: the 4-bit block size of a linear (None: per channel), as the quantizer chooses it.
+        progress: wraps the list of names iterated (e.g. a tqdm bar).
+
+    Returns:
+        Module path -> SQNR in dB of the logits (inf when rounding changed nothing).
+    """
+    with torch.no_grad():
+        ref = run_logits()
+        power = float(ref.double().pow(2).mean())
+        out = {}
+        for name in progress(list(linears)):
+            linear = linears[name]
+            original = linear.weight
+            linear.weight = nn.Parameter(fake_quantize_weight(original, 4, block_of(linear)), requires_grad=False)
+            try:
+                ratio = _noise_ratio(run_logits(), ref, power)
+            finally:
+                linear.weight = original
+            out[name] = math.inf if ratio == 0 else -10 * math.log10(ratio)
+    return out
+
+
+def plan(
+    sensitivity: Mapping[str, float], params: Mapping[str, int], budget: SizeBudget,
+    high: QuantScheme = QuantScheme.A16W8,
+) -> MixedPlan:
+    """Keep linears at `high` in order of logit noise per parameter while the budget allows.
+
+    Ranking by noise per parameter is the greedy answer to "most noise removed per byte spent"; a linear that
+    does not fit is skipped and smaller ones further down may still fit.
+
+    Raises:
+        InvalidInputError: a GB budget below the 4-bit size of the linears (from `SizeBudget.upgradable`).
+    """
+    total = sum(params[name] for name in sensitivity)
+    allowed = budget.upgradable(total, 4, high.weight_bits)
+
+    def noise(name: str) -> float:
+        return 0.0 if math.isinf(sensitivity[name]) else 10 ** (-sensitivity[name] / 10)
+
+    order = sorted(sensitivity, key=lambda name: -noise(name) / max(params[name], 1))
+    rows, used = [], 0
+    for name in order:
+        keep = noise(name) > 0 and used + params[name] <= allowed
+        used += params[name] if keep else 0
+        rows.append(LinearSensitivity(name, params[name], round(sensitivity[name], 2), keep))
+    return MixedPlan(str(budget), high, tuple(rows))

@@ -1,0 +1,143 @@
+"""The quantize stage of an export: calibration samples, the optional mixed-precision plan and weight-range
+search (both measured on the eager model), then PT2E prepare / calibrate / convert of every method's graph.
+
+Kept apart from the pipeline (export.py) so the stage's steps read in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import ContextManager
+
+import torch
+from tqdm.auto import tqdm
+
+from optimum_qnn.calibration import token_sequences
+from optimum_qnn.config import ExportConfig, QuantScheme, WeightRanges
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
+from optimum_qnn.runner import KVSession
+
+logger = logging.getLogger(__name__)
+
+# Below this many calibration tokens the activation ranges come from a handful of rows (the built-in sentences
+# give about 120 with the demo tokenizer).
+_MIN_CALIBRATION_TOKENS = 64
+# The sensitivity of each linear is measured on the first samples, each cut to at most this many tokens: one eager
+# run of them per linear (51 runs, 29 s, on the demo model, whose samples are shorter than the cut; the cut bounds
+# the cost on a model of Gemma-4-E2B's ~250 linears and 1024-token samples).
+SENSITIVITY_SAMPLES, SENSITIVITY_SAMPLE_TOKENS = 4, 128
+
+
+def calibration_sequences(static, tokenizer, texts: list[str], calibrate_on: str) -> list[list[int]]:
+    """Token ids of the calibration samples (random ids, two calls' worth, when there is no tokenizer)."""
+    contract = static.contract
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(0)
+        length = min(contract.context_len - 1, max(64, 2 * contract.method(calibrate_on).ar_len))
+        return [torch.randint(0, contract.vocab_size, (length,), generator=gen).tolist()]
+    seqs = token_sequences(tokenizer, texts, contract.context_len, static.text_config.bos_token_id)
+    tokens = sum(len(seq) for seq in seqs)
+    enough = max(_MIN_CALIBRATION_TOKENS, 2 * contract.method(calibrate_on).ar_len)
+    if tokens < enough:
+        logger.warning(
+            "Calibrating on only %d tokens (%d samples): too few to set activation ranges reliably (want %d or "
+            "more); pass a --calib-file with more text of the target domain",
+            tokens, len(seqs), enough,
+        )
+    return seqs
+
+
+def _feed(session: KVSession, method: str, seqs: list[list[int]], desc: str | None = None) -> list[torch.Tensor]:
+    """Run samples through one method as a runner drives the .pte (chunked prefill, real cache contents)."""
+    from optimum_qnn.kernels import row_gather_lookups
+
+    spec = session.contract.method(method)
+    logits = []
+    with row_gather_lookups():
+        for seq in tqdm(seqs, desc=desc, unit="sample", disable=desc is None):
+            session.reset()
+            ids = torch.tensor(seq)
+            # Whole calls of the method, so padding rows do not dilute the statistics; a sample shorter than one
+            # call goes in as one padded call (as a runner feeds a short prompt).
+            usable = (ids.numel() // spec.ar_len) * spec.ar_len or ids.numel()
+            logits.append(session.feed_method(spec.name, ids[:usable]))
+    return logits
+
+
+def quantize_static(
+    static, programs, config: ExportConfig, tokenizer, texts: list[str],
+    stage: Callable[[str], ContextManager] = contextlib.nullcontext,
+):
+    """Quantize the exported graphs of `static` (one per method) with shared quantization parameters.
+
+    With `config.size_budget`, the linears whose 4-bit rounding most changes the logits are kept at 8 bits
+    (`mixed_precision`); with `config.weight_ranges` = output-mse, the 4-bit weight scales are clipped per channel
+    by output error (`weight_search`). Both are measured on the eager float module before PT2E.
+
+    Returns:
+        (method name -> converted graph, the quantization summary rows, the MixedPlan or None).
+    """
+    from optimum_qnn.quantization import make_quantizer, quant_summary, quantize_shared
+    from optimum_qnn.sdk import ensure_qnn_sdk
+
+    ensure_qnn_sdk()  # QnnQuantizer needs QNN_SDK_ROOT before executorch's Qualcomm code is imported
+    contract = static.contract
+    calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
+    seqs = calibration_sequences(static, tokenizer, texts, calibrate_on)
+    mixed_plan, clips = None, {}
+    if config.size_budget is not None or config.weight_ranges is not WeightRanges.MINMAX:
+        with stage("plan"):
+            mixed_plan, clips = _plan_weights(static, config, seqs, calibrate_on)
+    overrides = dict(config.overrides)
+    if mixed_plan is not None:
+        overrides.update((p, s) for p, s in mixed_plan.overrides() if p not in overrides)  # the user's win
+    quantizer = make_quantizer(config.quant, block_size=config.block_size, soc=config.socs[0], overrides=overrides or None)
+
+    def calibrate(prepared: torch.nn.Module) -> None:
+        spec = contract.method(calibrate_on)
+        _feed(KVSession(contract, {spec.name: lambda inputs: prepared(*inputs)}), calibrate_on, seqs, "Calibrating")
+        if clips:
+            from optimum_qnn.weight_search import apply_clips
+
+            logger.info("Output-MSE ranges set on %d 4-bit weights", apply_clips(prepared, clips))
+
+    tie = None
+    if not config.float_io:  # integer IO: new K/V must come out in their cache's encoding
+        from optimum_qnn.quant_io import tie_cache_observers
+
+        def tie(name: str, prepared) -> None:
+            logger.debug("%s: %d new K/V outputs tied to their cache's observer", name, tie_cache_observers(prepared, contract.method(name)))
+
+    graphs = quantize_shared(programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=stage, tie=tie)
+    return graphs, quant_summary(graphs[calibrate_on]), mixed_plan
+
+
+def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate_on: str):
+    """The mixed-precision plan (None without a size budget) and per-linear 4-bit clip factors ({} for min-max)."""
+    from optimum_qnn import mixed_precision, weight_search
+
+    scheme_block = config.block_size if config.quant is QuantScheme.A16W4_BLOCK else None
+    linears = mixed_precision.htp_linears(static.module)
+    session = static.session()
+    plan = None
+    if config.size_budget is not None:
+        samples = [seq[:SENSITIVITY_SAMPLE_TOKENS] for seq in seqs[:SENSITIVITY_SAMPLES]]
+        sensitivity = mixed_precision.measure_sensitivity(
+            linears, lambda: torch.cat(_feed(session, calibrate_on, samples)),
+            lambda linear: weight_search.block_of(linear, scheme_block),
+            progress=lambda names: tqdm(names, desc="Measuring sensitivity", unit="linear"),
+        )
+        plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget)
+        logger.info("%s", plan.table())
+    clips = {}
+    if config.weight_ranges is WeightRanges.OUTPUT_MSE:
+        kept = set(plan.kept) if plan is not None else set()
+        searched = {n: m for n, m in linears.items() if n not in kept}
+        hessians = weight_search.input_hessians(searched, lambda: _feed(session, calibrate_on, seqs))
+        clips = {
+            n: weight_search.output_mse_clips(m, hessians[n], weight_search.block_of(m, scheme_block))
+            for n, m in searched.items()
+        }
+    return plan, clips
