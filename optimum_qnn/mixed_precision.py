@@ -91,8 +91,11 @@ class MixedPlan:
 
 
 def htp_linears(module: nn.Module) -> dict[str, nn.Linear]:
-    """The linears of the HTP graph, by module path (the embedding tables are lookups, not linears)."""
-    return {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+    """The linears of the HTP graph, by module path (the embedding tables are lookups, not linears), including
+    those whose weights stay in their stored dtype (`weights.UpcastLinear`)."""
+    from optimum_qnn.weights import UpcastLinear
+
+    return {name: m for name, m in module.named_modules() if isinstance(m, (nn.Linear, UpcastLinear))}
 
 
 def _noise_ratio(got: torch.Tensor, ref: torch.Tensor, power: float) -> float:
