@@ -31,6 +31,8 @@ from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
+from optimum_qnn import parallel_compile
+from optimum_qnn.parallel_compile import COMPILED_MESSAGE, PREPARING_MESSAGE, workers_private_mb
 from optimum_qnn.preflight import (
     check_arguments,
     check_overrides_match,
@@ -78,8 +80,10 @@ def peak_rss_mb() -> float:
 
 
 def _rss_mb() -> float:
+    """This process's RSS plus the private memory of its running QNN compile workers (their pages shared with it
+    are in its RSS already)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20 + workers_private_mb()
 
 
 class _RssSampler(threading.Thread):
@@ -255,9 +259,11 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
 
 class _ShardProgress(logging.Handler):
     """Advances the lowering bar from ExecuTorch's QNN preprocessing log, "Processing Method(j): (i/N)": it
-    compiles one context (shard) after the other, each holding every method's i-th partition."""
+    compiles one context (shard) after the other, each holding every method's i-th partition. With compile
+    workers (`optimum_qnn.parallel_compile`), the bar counts the shards they finished instead."""
 
     _PATTERN = re.compile(r"Processing Method\((\d+)\): \((\d+)/(\d+)\)")
+    _PREPARING, _COMPILED = (re.compile(m.replace("%d", r"(\d+)")) for m in (PREPARING_MESSAGE, COMPILED_MESSAGE))
 
     def __init__(self, bar: tqdm) -> None:
         super().__init__(logging.INFO)
@@ -265,6 +271,12 @@ class _ShardProgress(logging.Handler):
         self.desc = bar.desc
 
     def emit(self, record: logging.LogRecord) -> None:
+        if compiled := self._COMPILED.fullmatch(record.getMessage()):
+            self.bar.n, self.bar.total = map(int, compiled.groups())
+            self.bar.refresh()
+        if preparing := self._PREPARING.fullmatch(record.getMessage()):
+            shard, self.bar.total = map(int, preparing.groups())
+            self.bar.set_description_str(f"{self.desc}, preparing shard {shard}")
         match = self._PATTERN.search(record.getMessage())
         if match:
             method, shard, shards = map(int, match.groups())
@@ -293,6 +305,12 @@ def _progress(desc: str) -> Iterator[None]:
     shards = _ShardProgress(bar)
     source = logging.getLogger(_QNN_PREPROCESS_LOGGER)
     source.addHandler(shards)
+    # The compile workers' "Compiled shard i/N" lines: to the bar only (the console handler shows optimum_qnn's).
+    workers = logging.getLogger(parallel_compile.__name__)
+    workers_state = workers.level, workers.propagate
+    workers.addHandler(shards)
+    workers.setLevel(min(workers.getEffectiveLevel(), logging.INFO))
+    workers.propagate = False
     done = threading.Event()
 
     def tick() -> None:
@@ -310,6 +328,9 @@ def _progress(desc: str) -> Iterator[None]:
         done.set()
         ticker.join()
         source.removeHandler(shards)
+        workers.removeHandler(shards)
+        workers.setLevel(workers_state[0])
+        workers.propagate = workers_state[1]
         bar.close()
         stream.close()
 
