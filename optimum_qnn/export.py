@@ -31,8 +31,7 @@ from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
-from optimum_qnn import parallel_compile
-from optimum_qnn.parallel_compile import COMPILED_MESSAGE, PREPARING_MESSAGE, workers_private_mb
+from optimum_qnn.parallel_compile import COMPILED_MESSAGE, PREPARING_MESSAGE, progress_lines_to, workers_private_mb
 from optimum_qnn.preflight import (
     check_arguments,
     check_overrides_match,
@@ -305,12 +304,6 @@ def _progress(desc: str) -> Iterator[None]:
     shards = _ShardProgress(bar)
     source = logging.getLogger(_QNN_PREPROCESS_LOGGER)
     source.addHandler(shards)
-    # The compile workers' "Compiled shard i/N" lines: to the bar only (the console handler shows optimum_qnn's).
-    workers = logging.getLogger(parallel_compile.__name__)
-    workers_state = workers.level, workers.propagate
-    workers.addHandler(shards)
-    workers.setLevel(min(workers.getEffectiveLevel(), logging.INFO))
-    workers.propagate = False
     done = threading.Event()
 
     def tick() -> None:
@@ -320,7 +313,8 @@ def _progress(desc: str) -> Iterator[None]:
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
-        yield
+        with progress_lines_to(shards):
+            yield
         if bar.total:
             bar.n = bar.total
             bar.set_description_str(desc)
@@ -328,9 +322,6 @@ def _progress(desc: str) -> Iterator[None]:
         done.set()
         ticker.join()
         source.removeHandler(shards)
-        workers.removeHandler(shards)
-        workers.setLevel(workers_state[0])
-        workers.propagate = workers_state[1]
         bar.close()
         stream.close()
 

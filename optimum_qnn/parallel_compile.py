@@ -10,11 +10,12 @@ then forks. The child inherits that context and those wrappers, runs `Compile`, 
 and leaves with `os._exit`; the parent drops its context and builds the next shard meanwhile. The last shard (the
 lm_head's) goes first: its compile is the longest (`compile_order`).
 
-What differs from the sequential path: libQnnHtp numbers the tensors of a context from process-wide counters that
-each compile advances, and a worker starts from the parent's counters, which no compile advanced. So the first
-shard's context binary is byte-identical to the sequential one, the others differ in those numbers only, and the
-programs compute bit-identical outputs (tests/test_parallel_compile.py). Two sequential lowerings in one process
-differ from each other the same way.
+What differs from the sequential path: libQnnHtp numbers the tensors and graphs of a context from process-wide
+counters that preparing and compiling a shard advance; a worker starts from the parent's counters, which no compile
+advanced, and the shards are prepared in another order. So the context binaries differ from the sequential ones in
+those numbers (two sequential lowerings in one process differ from each other the same way), while a worker's
+binary is byte-identical to what the parent compiles from the same state and the programs compute bit-identical
+outputs (tests/test_parallel_compile.py).
 
 Memory: a worker shares the parent's pages copy-on-write and adds the compiler's working set for its shard. A new
 worker starts only while the memory the kernel reports available covers the working set expected of it (measured
@@ -82,6 +83,22 @@ def workers_private_mb() -> float:
                 _private_cache[pid] = (now + max(_MIN_REFRESH_SECONDS, 20 * cost), kb)
         total += kb
     return total / 1024
+
+
+@contextlib.contextmanager
+def progress_lines_to(handler: logging.Handler) -> Iterator[None]:
+    """Within the block, this module's progress lines (`PREPARING_MESSAGE`, `COMPILED_MESSAGE`, INFO) go to
+    ``handler`` only: a progress bar, not the console handlers above, which show every optimum_qnn record."""
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def _private_kb(pid: int) -> int:
