@@ -272,7 +272,7 @@ class _ShardProgress(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if compiled := self._COMPILED.fullmatch(record.getMessage()):
             self.bar.n, self.bar.total = map(int, compiled.groups())
-            self.bar.refresh()
+            self.bar.set_description_str(self.desc if self.bar.n == self.bar.total else self.bar.desc)
         if preparing := self._PREPARING.fullmatch(record.getMessage()):
             shard, self.bar.total = map(int, preparing.groups())
             self.bar.set_description_str(f"{self.desc}, preparing shard {shard}")

@@ -239,26 +239,33 @@ class _Messages(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.fixture(scope="module")
-def sequential_and_parallel(qnn_sdk):
-    """The stack lowered with workers=1 and with 2 workers, and what the parallel lowering logged."""
-    sequential = lower_stack(workers=1)
+def _lower_logging(workers: int):
     source, messages = logging.getLogger(parallel_compile.__name__), _Messages()
     level = source.level
     source.addHandler(messages)
     source.setLevel(logging.DEBUG)
     try:
-        parallel = lower_stack(workers=2)
+        return lower_stack(workers), messages.lines
     finally:
         source.removeHandler(messages)
         source.setLevel(level)
-    return sequential, parallel, messages.lines
+
+
+@pytest.fixture(scope="module")
+def sequential_and_parallel(qnn_sdk):
+    """The stack lowered with workers=1 and with 2 workers, each with what this module logged meanwhile."""
+    return _lower_logging(workers=1), _lower_logging(workers=2)
+
+
+def _worker_pids(lines: list[str]) -> set[int]:
+    return {int(m) for line in lines for m in re.findall(r"compiling in worker (\d+)", line)}
 
 
 @needs_fork
 def test_parallel_lowering_forks_one_worker_per_shard(sequential_and_parallel):
-    _, parallel, lines = sequential_and_parallel
-    workers = {int(m) for line in lines for m in re.findall(r"compiling in worker (\d+)", line)}
+    (_, sequential_lines), (parallel, lines) = sequential_and_parallel
+    assert not sequential_lines  # workers=1: ExecuTorch's own path, in this process
+    workers = _worker_pids(lines)
     assert parallel.shards == 3 and len(workers) == 3 and os.getpid() not in workers
     assert [line for line in lines if line.startswith("Compiled shard")] == [
         "Compiled shard 1/3", "Compiled shard 2/3", "Compiled shard 3/3"]
@@ -271,7 +278,7 @@ def test_parallel_program_computes_what_the_sequential_one_does(sequential_and_p
 
     from optimum_qnn.lowering import read_qnn_delegates
 
-    sequential, parallel, _ = sequential_and_parallel
+    (sequential, _), (parallel, _) = sequential_and_parallel
     assert parallel.delegation == sequential.delegation and parallel.shards == 3
     assert len(parallel.buffer) == len(sequential.buffer)
     seq_delegates, par_delegates = read_qnn_delegates(sequential.buffer), read_qnn_delegates(parallel.buffer)
@@ -282,8 +289,11 @@ def test_parallel_program_computes_what_the_sequential_one_does(sequential_and_p
         program = Runtime.get().load_program(lowered.buffer)
         outputs[id(lowered)] = {name: program.load_method(name).execute(list(args))[0].clone() for name, args in inputs.items()}
     seq_out, par_out = outputs[id(sequential)], outputs[id(parallel)]
-    for name in inputs:
+    module, _ = stack_and_inputs()
+    for name, args in inputs.items():
         assert torch.equal(par_out[name], seq_out[name]), name
+        cosine = torch.nn.functional.cosine_similarity(par_out[name].flatten(), module(*args).flatten(), dim=0)
+        assert cosine > 0.999, (name, cosine)  # and both compute the model (fp16 on the HTP)
 
 
 @needs_fork
