@@ -31,6 +31,7 @@ from optimum_qnn.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
+from optimum_qnn.parallel_compile import COMPILED_MESSAGE, PREPARING_MESSAGE, progress_lines_to, workers_private_mb
 from optimum_qnn.preflight import (
     check_arguments,
     check_overrides_match,
@@ -78,8 +79,10 @@ def peak_rss_mb() -> float:
 
 
 def _rss_mb() -> float:
+    """This process's RSS plus the private memory of its running QNN compile workers (their pages shared with it
+    are in its RSS already)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20 + workers_private_mb()
 
 
 class _RssSampler(threading.Thread):
@@ -266,9 +269,11 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
 
 class _ShardProgress(logging.Handler):
     """Advances the lowering bar from ExecuTorch's QNN preprocessing log, "Processing Method(j): (i/N)": it
-    compiles one context (shard) after the other, each holding every method's i-th partition."""
+    compiles one context (shard) after the other, each holding every method's i-th partition. With compile
+    workers (`optimum_qnn.parallel_compile`), the bar counts the shards they finished instead."""
 
     _PATTERN = re.compile(r"Processing Method\((\d+)\): \((\d+)/(\d+)\)")
+    _PREPARING, _COMPILED = (re.compile(m.replace("%d", r"(\d+)")) for m in (PREPARING_MESSAGE, COMPILED_MESSAGE))
 
     def __init__(self, bar: tqdm) -> None:
         super().__init__(logging.INFO)
@@ -276,6 +281,12 @@ class _ShardProgress(logging.Handler):
         self.desc = bar.desc
 
     def emit(self, record: logging.LogRecord) -> None:
+        if compiled := self._COMPILED.fullmatch(record.getMessage()):
+            self.bar.n, self.bar.total = map(int, compiled.groups())
+            self.bar.set_description_str(self.desc if self.bar.n == self.bar.total else self.bar.desc)
+        if preparing := self._PREPARING.fullmatch(record.getMessage()):
+            shard, self.bar.total = map(int, preparing.groups())
+            self.bar.set_description_str(f"{self.desc}, preparing shard {shard}")
         match = self._PATTERN.search(record.getMessage())
         if match:
             method, shard, shards = map(int, match.groups())
@@ -313,7 +324,8 @@ def _progress(desc: str) -> Iterator[None]:
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
-        yield
+        with progress_lines_to(shards):
+            yield
         if bar.total:
             bar.n = bar.total
             bar.set_description_str(desc)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import torch
 
 from optimum_qnn.config import Soc
+from optimum_qnn.parallel_compile import default_workers, parallel_shard_compiles
 from optimum_qnn.sdk import ensure_qnn_sdk
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -170,6 +171,7 @@ def lower_to_pte(
     int64_inputs: Collection[str] = (),
     shard_starts: Collection[int] = (),
     quantized_io: Mapping[str, Collection[int]] | None = None,
+    workers: int | None = None,
 ) -> LoweredProgram:
     """Lower one or more methods to QNN and serialize them into one .pte.
 
@@ -194,15 +196,23 @@ def lower_to_pte(
             shards hand their activations over through an identity op on the CPU (`llama::fallback`).
         quantized_io: method name -> positions of the inputs that become integer graph IO (with the encoding the
             quantizer gave them); every output of those methods does too. See `optimum_qnn.quant_io`.
+        workers: at most this many shards compile at once, each in a forked process, while the next shard is
+            prepared (see `optimum_qnn.parallel_compile`). Defaults to the cores available to the process; 1 compiles
+            in this process, one shard after the other. The programs compute the same either way (only QNN's
+            internal tensor numbering inside the context binaries differs).
 
     Returns:
         The `LoweredProgram` (bytes + delegation summary).
 
     Raises:
-        ValueError: no methods, a method name that clashes with a constant method, or a malformed op name.
+        ValueError: no methods, a method name that clashes with a constant method, a malformed op name, or
+            workers < 1.
+        RuntimeError: a shard's compile failed (in a worker process: its error text, or the signal that killed it).
     """
     if not programs:
         raise ValueError("No methods to lower")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1 (1 compiles the shards one after the other); got {workers}")
     clash = set(programs) & set(constant_methods or {})
     if clash:
         raise ValueError(f"Method names used both as graphs and as constant methods: {sorted(clash)}")
@@ -230,6 +240,7 @@ def lower_to_pte(
         edge = _to_edge_and_lower(
             exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
             shard_starts=shard_starts, quantized_io=quantized_io or {},
+            workers=default_workers() if workers is None else workers,
         )
         del exported
         if shard_starts:
@@ -356,6 +367,7 @@ def _to_edge_and_lower(
     int64_inputs: Collection[str],
     shard_starts: Collection[int],
     quantized_io: Mapping[str, Collection[int]],
+    workers: int,
 ) -> EdgeProgramManager:
     """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
     export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
@@ -392,7 +404,11 @@ def _to_edge_and_lower(
             convert_linear_to_conv2d=True,
         )
         partitioners[name] = [QnnPartitioner(spec, skip_node_op_set=skip_ops)]
-    with QnnManagerContext({name: spec for name in exported}), _preprocess_copies_share_weights():
+    with (
+        QnnManagerContext({name: spec for name in exported}),
+        _preprocess_copies_share_weights(),
+        parallel_shard_compiles(workers),
+    ):
         edge = to_edge_transform_and_lower(
             aten,
             transform_passes=transform_passes,

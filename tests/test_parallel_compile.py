@@ -1,0 +1,319 @@
+"""optimum_qnn.parallel_compile: shards compiled in forked workers, their failures, and their memory.
+
+What "the same program" means here. libQnnHtp numbers the tensors and graphs of every context from process-wide
+counters that preparing and compiling a shard advance. A sequential lowering compiles shard i after shards 0..i-1
+advanced them; a worker compiles from the counters the parent had when it forked, and the parent prepares the last
+shard first. So the context binaries of a parallel lowering differ from the sequential ones in those numbers (two
+sequential lowerings in one process differ the same way). The checks below pin down the rest: a worker's binary is
+byte-identical to what the parent compiles from the same state, and the parallel and sequential programs compute
+bit-identical outputs on the x86 HTP emulator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from optimum_qnn import parallel_compile
+from optimum_qnn.parallel_compile import _WorkerPool, workers_private_mb
+
+needs_fork = pytest.mark.skipif(not parallel_compile.fork_available(), reason="compile workers need Linux fork")
+
+
+class _Layer(nn.Module):
+    """RMSNorm -> linear -> gelu -> linear, residual: one shard's worth of HTP ops."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(dim) + 0.5)
+        self.up, self.down = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return x + self.down(nn.functional.gelu(self.up(h), approximate="tanh"))
+
+
+class Stack(nn.Module):
+    """`layers.N` like the Gemma4 static model, so `shard_starts` cut it between layers."""
+
+    def __init__(self, layers: int = 3, dim: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(dim) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def stack_and_inputs():
+    torch.manual_seed(0)
+    return Stack().eval(), {"prefill_forward": (torch.randn(1, 4, 64),), "kv_forward": (torch.randn(1, 1, 64),)}
+
+
+def lower_stack(workers: int):
+    from optimum_qnn.config import Soc
+    from optimum_qnn.lowering import lower_to_pte
+
+    module, inputs = stack_and_inputs()
+    programs = {name: (module, example) for name, example in inputs.items()}
+    return lower_to_pte(programs, Soc.SM8650, fp16=True, shard_starts=(1, 2), weight_sharing=False, workers=workers)
+
+
+# --- the worker pool, without QNN ----------------------------------------------------------------------------------
+
+
+def _run(pool: _WorkerPool, fns) -> list:
+    binaries = [b""] * len(fns)
+    try:
+        for shard, fn in enumerate(fns):
+            pool.start(shard, 0, fn, binaries)
+        pool.finish(binaries)
+    finally:
+        pool.kill()
+    return binaries
+
+
+@needs_fork
+def test_workers_return_their_binaries_in_shard_order():
+    fns = [lambda i=i: (time.sleep(0.3 * (2 - i)), f"ctx{i}".encode())[1] for i in range(3)]  # the last ends first
+    assert _run(_WorkerPool(workers=3, shards=3), fns) == [b"ctx0", b"ctx1", b"ctx2"]
+
+
+@needs_fork
+def test_a_failing_compile_names_its_shard_and_error():
+    def fail():
+        raise ValueError("op Foo has no HTP kernel")
+
+    with pytest.raises(RuntimeError, match=r"(?s)shard 2/2 failed in its worker process \d+ \(exit code 1\).*op Foo"):
+        _run(_WorkerPool(workers=2, shards=2), [lambda: b"ok", fail])
+    assert not parallel_compile._live
+
+
+@needs_fork
+def test_a_worker_killed_by_a_signal_fails_the_lowering():
+    """What the kernel's OOM killer does to a worker: the lowering stops with a clear error instead of hanging."""
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"shard 1/2 was killed by signal SIGKILL .* when memory runs out"):
+        _run(_WorkerPool(workers=2, shards=2), [lambda: os.kill(os.getpid(), signal.SIGKILL), lambda: time.sleep(60)])
+    assert time.perf_counter() - t0 < 30  # the sleeping worker was killed, not waited for
+    assert not parallel_compile._live
+
+
+@needs_fork
+def test_at_most_workers_compile_at_once(tmp_path):
+    def compile_fn(i):
+        (tmp_path / f"start{i}").write_text(str(time.monotonic()))
+        time.sleep(0.4)
+        (tmp_path / f"end{i}").write_text(str(time.monotonic()))
+        return b"x"
+
+    _run(_WorkerPool(workers=2, shards=4), [lambda i=i: compile_fn(i) for i in range(4)])
+    spans = [(float((tmp_path / f"start{i}").read_text()), float((tmp_path / f"end{i}").read_text())) for i in range(4)]
+    overlap = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert overlap == 2
+
+
+@needs_fork
+def test_no_new_worker_while_memory_does_not_cover_it(monkeypatch):
+    """With MemAvailable below what a shard is expected to take, a worker starts only when the others are done."""
+    monkeypatch.setattr(parallel_compile, "_meminfo_kb", lambda field: 0)
+    pool, binaries = _WorkerPool(workers=2, shards=2), [b"", b""]
+    try:
+        pool.start(0, 1_000_000, lambda: (time.sleep(0.5), b"first")[1], binaries)
+        pool.start(1, 1_000_000, lambda: b"second", binaries)
+        assert binaries[0] == b"first"  # the second start waited for the first compile
+        pool.finish(binaries)
+    finally:
+        pool.kill()
+
+
+@needs_fork
+def test_workers_private_memory_is_counted(tmp_path):
+    """The export's RSS sampler adds the workers' own pages: 200 MiB a worker touches show up while it runs."""
+    release = tmp_path / "release"
+
+    def hold_memory():
+        block = bytearray(200 * 2**20)  # zero-filled: every page written
+        while not release.exists():
+            time.sleep(0.02)
+        return bytes(block[:1]) + b"done"
+
+    pool, binaries = _WorkerPool(workers=1, shards=1), [b""]
+    try:
+        pool.start(0, 0, hold_memory, binaries)
+        deadline = time.monotonic() + 30
+        while workers_private_mb() < 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers_private_mb() >= 200
+        release.write_text("")
+        pool.finish(binaries)
+    finally:
+        pool.kill()
+    assert binaries == [b"\0done"]
+    assert workers_private_mb() == 0
+
+
+@needs_fork
+def test_stage_peak_includes_the_workers_memory(tmp_path):
+    """The export's per-stage peak counts what its compile workers hold, not only the parent's RSS."""
+    from optimum_qnn.export import ExportResult, _rss_mb, _stage
+
+    release, result = tmp_path / "release", ExportResult(tmp_path)
+    before = _rss_mb()
+
+    def hold_memory():
+        block = bytearray(300 * 2**20)
+        while not release.exists():
+            time.sleep(0.02)
+        return bytes(block[:1])
+
+    pool, binaries = _WorkerPool(workers=1, shards=1), [b""]
+    try:
+        with _stage(result, "lower"):
+            pool.start(0, 0, hold_memory, binaries)
+            deadline = time.monotonic() + 30
+            while workers_private_mb() < 300 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # a few samples (every 50 ms) after the worker's figure was refreshed
+            release.write_text("")
+            pool.finish(binaries)
+    finally:
+        pool.kill()
+    assert result.stages[0].peak_rss_mb >= before + 280, result.stage_table()
+
+
+@needs_fork
+def test_progress_bar_counts_compiled_shards_and_console_stays_quiet(caplog):
+    """The lowering bar advances per compiled shard; the lines reach the bar only, not the root's handlers (the
+    CLI's console handler shows every optimum_qnn record)."""
+    import io
+
+    from tqdm import tqdm
+
+    from optimum_qnn.export import _ShardProgress
+    from optimum_qnn.parallel_compile import progress_lines_to
+
+    caplog.set_level(logging.INFO)
+    bar = tqdm(desc="Lowering", total=None, file=io.StringIO())
+    counts = []
+    with progress_lines_to(_ShardProgress(bar)):
+        pool, binaries = _WorkerPool(workers=2, shards=3), [b""] * 3
+        try:
+            for shard in range(3):
+                pool.start(shard, 0, lambda: b"ctx", binaries)
+            while pool.running:
+                pool.collect(binaries)
+                counts.append(bar.n)
+                time.sleep(0.05)
+        finally:
+            pool.kill()
+    assert (bar.n, bar.total) == (3, 3) and counts == sorted(counts)
+    assert "Compiled shard" not in caplog.text
+
+
+# --- real QNN compiles ---------------------------------------------------------------------------------------------
+
+
+def test_workers_below_one_are_refused(qnn_sdk):
+    from optimum_qnn.config import Soc
+    from optimum_qnn.lowering import lower_to_pte
+
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        lower_to_pte({"forward": (nn.Linear(4, 4), (torch.randn(1, 4),))}, Soc.SM8650, fp16=True, workers=0)
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _lower_logging(workers: int):
+    source, messages = logging.getLogger(parallel_compile.__name__), _Messages()
+    level = source.level
+    source.addHandler(messages)
+    source.setLevel(logging.DEBUG)
+    try:
+        return lower_stack(workers), messages.lines
+    finally:
+        source.removeHandler(messages)
+        source.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def sequential_and_parallel(qnn_sdk):
+    """The stack lowered with workers=1 and with 2 workers, each with what this module logged meanwhile."""
+    return _lower_logging(workers=1), _lower_logging(workers=2)
+
+
+def _worker_pids(lines: list[str]) -> set[int]:
+    return {int(m) for line in lines for m in re.findall(r"compiling in worker (\d+)", line)}
+
+
+@needs_fork
+def test_parallel_lowering_forks_one_worker_per_shard(sequential_and_parallel):
+    (_, sequential_lines), (parallel, lines) = sequential_and_parallel
+    assert not sequential_lines  # workers=1: ExecuTorch's own path, in this process
+    workers = _worker_pids(lines)
+    assert parallel.shards == 3 and len(workers) == 3 and os.getpid() not in workers
+    assert [line for line in lines if line.startswith("Compiled shard")] == [
+        "Compiled shard 1/3", "Compiled shard 2/3", "Compiled shard 3/3"]
+
+
+@needs_fork
+def test_parallel_program_computes_what_the_sequential_one_does(sequential_and_parallel):
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (the CPU kernel of llama::fallback)
+    from executorch.runtime import Runtime
+
+    from optimum_qnn.lowering import read_qnn_delegates
+
+    (sequential, _), (parallel, _) = sequential_and_parallel
+    assert parallel.delegation == sequential.delegation and parallel.shards == 3
+    assert len(parallel.buffer) == len(sequential.buffer)
+    seq_delegates, par_delegates = read_qnn_delegates(sequential.buffer), read_qnn_delegates(parallel.buffer)
+    assert [len(d.context) for d in par_delegates] == [len(d.context) for d in seq_delegates]
+    _, inputs = stack_and_inputs()
+    outputs = {}
+    for lowered in (sequential, parallel):
+        program = Runtime.get().load_program(lowered.buffer)
+        outputs[id(lowered)] = {name: program.load_method(name).execute(list(args))[0].clone() for name, args in inputs.items()}
+    seq_out, par_out = outputs[id(sequential)], outputs[id(parallel)]
+    module, _ = stack_and_inputs()
+    for name, args in inputs.items():
+        assert torch.equal(par_out[name], seq_out[name]), name
+        cosine = torch.nn.functional.cosine_similarity(par_out[name].flatten(), module(*args).flatten(), dim=0)
+        assert cosine > 0.999, (name, cosine)  # and both compute the model (fp16 on the HTP)
+
+
+@needs_fork
+def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
+    """Fork safety, byte for byte: right after a worker is forked for a shard, the parent compiles the same shard
+    itself from the same QNN state; every context binary in the .pte (the workers') equals the parent's."""
+    from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
+
+    from optimum_qnn.lowering import read_qnn_delegates
+
+    in_parent: dict[int, bytes] = {}
+    fork_and_compile = _WorkerPool.start
+
+    def start(self, shard, params, compile_fn, binaries):
+        fork_and_compile(self, shard, params, compile_fn, binaries)
+        in_parent[shard] = bytes(PyQnnManagerAdaptor.StripProtocol(bytes(compile_fn())))
+
+    monkeypatch.setattr(_WorkerPool, "start", start)
+    delegates = read_qnn_delegates(lower_stack(workers=2).buffer)
+    assert sorted(in_parent) == [0, 1, 2] and len(delegates) == 6  # 3 shards x 2 methods sharing each context
+    for delegate in delegates:
+        assert delegate.context == in_parent[delegate.index], (delegate.method, delegate.index)
+    assert len({d.context for d in delegates}) == 3
