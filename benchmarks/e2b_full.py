@@ -126,7 +126,45 @@ def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str]) -
     memory = next((line for line in log.splitlines() if "Memory:" in line), "")
     pte = next(out.rglob("model.pte"))
     return {"stages": stages, "wall_s": wall, "max_rss_gb": max_rss, "memory_line": memory.split("Memory:", 1)[-1].strip(),
-            "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30}
+            "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30, "components": components(pte)}
+
+
+def components(pte: Path) -> dict[str, float]:
+    """The .pte's bytes (GiB) by component: the HTP context binaries (quantized weights, their scales, the graphs)
+    and everything else (the CPU embedding tables with their scales and zero points, the program)."""
+    from optimum_qnn.inspection import inspect_pte
+
+    htp = sum(context.size for context in inspect_pte(pte).contexts)
+    return {"htp_contexts": htp / 2**30, "cpu_and_program": (pte.stat().st_size - htp) / 2**30}
+
+
+RESULTS_FILE = Path(__file__).parent / "e2b_full.json"
+
+
+def section() -> str:
+    """The RESULTS.md section of the full-size runs stored in `RESULTS_FILE` (empty when there are none)."""
+    if not RESULTS_FILE.is_file():
+        return ""
+    stored = json.loads(RESULTS_FILE.read_text())
+    runs = stored["runs"]
+    names = [name for name, _, _ in next(iter(runs.values()))["stages"]]
+    header = ["stage"] + [f"{shards} shards: wall s / peak GB" for shards in runs]
+    rows = [[name] + [f"{r['stages'][i][1]:.0f} / {r['stages'][i][2]:.1f}" for r in runs.values()] for i, name in enumerate(names)]
+    rows.append(["**total** (wall, process max RSS)"] + [f"{r['wall_s']:.0f} / {r['max_rss_gb']:.1f}" for r in runs.values()])
+    rows.append([".pte GiB (HTP contexts + CPU tables and program)"] + [
+        f"{r['pte_gb']:.2f} ({r['components']['htp_contexts']:.2f} + {r['components']['cpu_and_program']:.2f})"
+        for r in runs.values()])
+    table = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+    return (
+        "## Full-size Gemma-4-E2B, from the command users type\n\n"
+        f"Measured (benchmarks/e2b_full.py) on {stored['machine']}: the published multimodal layout (`model_type` "
+        "gemma4 with `text_config`, text weights under `model.language_model.*`, vision and audio towers present and "
+        "skipped, random bf16 weights, 5 safetensors shards with an index), `optimum-cli export qnn --model DIR "
+        "--output OUT --soc SM8650 --quant 16a4w_block --max-seq-len 1024 --prefill-ar-len 128 --shards N` (peak GB: "
+        "the stage's highest RSS sampled every 50 ms, including the shard compile workers' private memory; the total "
+        "row's RSS is `/usr/bin/time`'s, the largest single process). One export at a time, nothing else running.\n\n"
+        + table + "\n\n" + stored.get("notes", "") + "\n\n"
+    )
 
 
 def main() -> int:
@@ -149,6 +187,11 @@ def main() -> int:
     print(f"\n.pte: {result['pte_gb']:.2f} GiB ({result['pte']})")
     print(subprocess.run([sys.executable, "-m", "optimum_qnn", "inspect", result["pte"]], capture_output=True, text=True).stdout)
     (args.work / "result.json").write_text(json.dumps(result, indent=1))
+    shards = next((args.extra[i + 1] for i, a in enumerate(args.extra[:-1]) if a == "--shards"), "auto")
+    stored = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.is_file() else {"runs": {}}
+    stored["machine"] = f"{os.cpu_count()} cores, {_mem_total_gb():.1f} GB RAM"
+    stored["runs"][shards] = {k: v for k, v in result.items() if k != "pte"}
+    RESULTS_FILE.write_text(json.dumps(stored, indent=1))
     return 0
 
 

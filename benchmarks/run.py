@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import e2b_full  # noqa: E402
 import e2b_width  # noqa: E402
 import io_bytes  # noqa: E402
 import peer  # noqa: E402
@@ -368,6 +369,7 @@ def main() -> int:
         "and lm_head are in the intercept. Peak RSS is fitted per stage and the maximum taken. It is an "
         "extrapolation from two depths, not a measurement.\n\n"
         + cost_text + "\n\n" + "".join(f"{n}\n\n" for n in notes)
+        + e2b_full.section()
         + ("## Side by side with optimum-executorch\n\n"
            "Both as fresh `optimum-cli` processes on the same tiny model (import time included; peak RSS of the "
            "process): the demo Gemma4's config with one head layout on every layer (optimum-executorch sizes its KV "

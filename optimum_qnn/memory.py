@@ -6,29 +6,30 @@ second, with the figure and the fix, when nothing fits.
 
 How it is computed: the parameters of each part of the model (token table, per-layer embedding table, decoder
 layers) are counted on a meta-device model built from the config (no weights), and each stage's peak RSS is a
-linear function of their stored bytes, fitted to the exports measured on this project's 2-core, 24 GB machine:
+linear function of their stored bytes, fitted to the exports measured on this project's 2-core, 24 GB machine with
+the current pipeline (bf16 weights kept in the checkpoint's pages until quantized, `optimum_qnn.weights`; block
+weights quantized in row chunks, once for both graphs; shard compiles in worker processes, whose private memory the
+lowering's figure includes):
 
 - demo Gemma4 (examples/tiny_gemma4.py, 16a8w, hybrid, context 128; benchmarks/rows.json, "schemes"): the load
   stage, 0.46 GB, is the process with torch, transformers and ExecuTorch imported (`_BASE`); the lowering stage,
   0.98 GB, is that plus the QNN libraries and compiler on a graph of negligible size (`_LOWER_BASE`);
-- Gemma-4-E2B widths at 2 and 7 layers (benchmarks/e2b_width.py, 16a4w, hybrid, context 1024, prefill 128, 4-bit
-  embedding tables, one shard per layer; benchmarks/rows.json, "e2b");
-- E2B widths at 7 layers lowered in ONE shard, otherwise the same (measured for this module, 2026-12-01): load 2.20,
-  swap 6.10, export 3.88, calibrate 4.48, quantize 5.59, lower 8.55, inspect 7.19, write 6.84 GB; the lowering took
-  182 s (354 s in 7 shards, rows.json);
-- the full-size Gemma-4-E2B, 35 layers, 35 shards, 16a4w_block, same shapes (issue 16): load 10.2, swap 17.9,
-  export 11.4, calibrate 12.4, quantize 21.3, lower 16.0, write 14.4 GB per-stage peak, 21.8 GB for the process.
+- Gemma-4-E2B widths at 2 and 7 layers (benchmarks/e2b_width.py; 16a4w_block, hybrid, context 1024, prefill 128,
+  4-bit embedding tables, one shard per layer), measured for this module on 2026-12-01 (`E2B_ROWS` in
+  tests/test_memory.py);
+- the full-size Gemma-4-E2B, 35 layers, in 4 shards, the same configuration (benchmarks/e2b_full.py, the published
+  multimodal checkpoint): load 0.40, swap 2.79, export 2.58, calibrate 9.67, quantize 13.91, lower 16.73, write
+  12.03 GB, in 14.2 min. Checked against the same export in 7 shards, not in the fit: lowering estimated 14.29 GB,
+  measured 14.12 GB.
 
 Per stage, peak = `_BASE` + a x (token table GB at the stored dtype) + b x (everything else, GB stored), least
 squares through the E2B rows (the token table is the same in all of them, its coefficient carries the fixed costs of
-a 262144-word vocabulary: the float32 lm_head, vocabulary-wide logits). The lowering stage is `_LOWER_BASE` + a
-resident term + what the QNN compiler holds for the shard it compiles, `_SHARD_BYTES_PER_PARAM` bytes per parameter
-of the largest shard (the last shard carries the lm_head); the 7-layer one-shard row is what separates the two: fitted
-without it, the same model predicted its lowering at 8.60 GB (measured 8.55) and put the full E2B in one shard at
-27 GB, consistent with that export being killed by the kernel on the 24 GB machine. The stages after the lowering
-(inspect, write) keep the compiler's extra memory for a shard larger than one layer, measured on the one-shard row.
-The fit reproduces every one of these figures within 0.6 GB (tests/test_memory.py); the worst is the quantize stage,
-which is not linear across the 16a4w rows and the 16a4w_block full-size one.
+a 262144-word vocabulary: the lm_head's fp32 cast and its quantization, vocabulary-wide logits). The lowering stage is
+`_LOWER_BASE` + a resident term + what the QNN compiler holds for the shards it compiles, `_SHARD_BYTES_PER_PARAM`
+bytes per parameter of the largest shard (the last shard carries the lm_head); the full-size row in 4 shards is what
+separates the two. The stages after the lowering (inspect, write) keep the compiler's extra memory for a shard larger
+than one layer. The fit reproduces every one of these figures within 0.6 GB (tests/test_memory.py); the worst is the
+write stage (0.5 GB).
 
 What the rows did not vary is computed, not measured: weights wider than 4 bits add their extra bytes per HTP
 parameter, float or 8-bit embedding tables theirs, and `--evaluate` keeps the float32 Hugging Face model resident.
@@ -54,18 +55,18 @@ _LOWER_BASE = 0.98  # demo Gemma4 16a8w, lower stage: 1001 MiB
 # stage: (per GB of token table, per GB of the rest), both at the stored dtype; least squares over the four E2B rows
 # (the write stage over the three that lowered one layer per shard, see `estimate`)
 _STAGE_FIT = {
-    "load": (0.0, 1.245),  # least squares gave -0.087 for the table: no fixed cost, clamped to 0
-    "swap": (3.785, 1.856),
-    "export": (2.378, 1.160),
-    "calibrate": (3.096, 1.220),
-    "quantize": (2.647, 2.382),
-    "write": (3.788, 1.408),
+    "load": (0.0, 0.0),  # the checkpoint is mapped, not read: the base process (least squares gave -0.009 per GB)
+    "swap": (0.901, 0.210),
+    "export": (0.536, 0.219),
+    "calibrate": (3.959, 0.793),
+    "quantize": (6.486, 1.091),
+    "write": (5.708, 0.320),
 }
 # The lowering: resident state (quantized weights, CPU tables, the context binaries compiled so far) per GB of stored
-# weights, plus the compiler's working set per parameter of the shard being compiled. Fitted to the E2B lower stages
-# (5.63, 6.72, 8.55, 16.0 GB at 2, 7, 7 in one shard, 35 layers) above `_LOWER_BASE`.
-_LOWER_RESIDENT = 1.400
-_SHARD_BYTES_PER_PARAM = 6.608
+# weights, plus the compilers' working set per parameter of the largest shard. Fitted to the E2B lower stages (5.99,
+# 7.15, 16.73 GB at 2, 7 layers in one shard per layer, 35 layers in 4 shards) above `_LOWER_BASE`.
+_LOWER_RESIDENT = 0.752
+_SHARD_BYTES_PER_PARAM = 10.078
 # The measured rows quantized HTP weights to 4 bits and embedding tables to 4 bits.
 _MEASURED_WEIGHT_BITS = 4
 _MEASURED_TABLE_BITS = 4
@@ -178,8 +179,9 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
         stages[name] = _BASE + a * table + b * rest + held
     starts = tuple(round(i * len(counts.layers) / shards) for i in range(1, shards))
     shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
-    # After the lowering, what the compiler took for a shard larger than one layer is still held (7 layers in one
-    # shard: write 6.84 GB against 5.31 in seven); the write fit is of one-layer shards.
+    # After the lowering, what the compiler took for a shard larger than one layer is still held (measured on an
+    # earlier pipeline, 7 layers in one shard: write 6.84 GB against 5.31 in seven); the write fit is of one-layer
+    # shards.
     one_layer = counts.largest_shard(tuple(range(1, len(counts.layers)))) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
     stages["write"] += shard - one_layer
     stages["lower"] = (_LOWER_BASE + _LOWER_RESIDENT * (table + rest) + counts.htp * weight_extra / GB_BYTES + table_extra
