@@ -148,7 +148,13 @@ def section() -> str:
     stored = json.loads(RESULTS_FILE.read_text())
     runs = stored["runs"]
     names = [name for name, _, _ in next(iter(runs.values()))["stages"]]
-    header = ["stage"] + [f"{shards} shards: wall s / peak GB" for shards in runs]
+    def label(key: str, run: dict) -> str:
+        if key.isdigit():
+            return f"--shards {key}"
+        chosen = re.match(r"(\d+) shard", run["memory_line"])
+        return f"no --shards ({chosen.group(1) if chosen else '?'} chosen)"
+
+    header = ["stage"] + [f"{label(key, run)}: wall s / peak GB" for key, run in runs.items()]
     rows = [[name] + [f"{r['stages'][i][1]:.0f} / {r['stages'][i][2]:.1f}" for r in runs.values()] for i, name in enumerate(names)]
     rows.append(["**total** (wall, process max RSS)"] + [f"{r['wall_s']:.0f} / {r['max_rss_gb']:.1f}" for r in runs.values()])
     rows.append([".pte GiB (HTP contexts + CPU tables and program)"] + [
@@ -160,7 +166,8 @@ def section() -> str:
         f"Measured (benchmarks/e2b_full.py) on {stored['machine']}: the published multimodal layout (`model_type` "
         "gemma4 with `text_config`, text weights under `model.language_model.*`, vision and audio towers present and "
         "skipped, random bf16 weights, 5 safetensors shards with an index), `optimum-cli export qnn --model DIR "
-        "--output OUT --soc SM8650 --quant 16a4w_block --max-seq-len 1024 --prefill-ar-len 128 --shards N` (peak GB: "
+        "--output OUT --soc SM8650 --quant 16a4w_block [--max-seq-len 1024 --prefill-ar-len 128 --shards N --max-memory 23]` "
+        "(the bracketed flags only in the --shards columns; 1024 and 128 are the defaults; peak GB: "
         "the stage's highest RSS sampled every 50 ms, including the shard compile workers' private memory; the total "
         "row's RSS is `/usr/bin/time`'s, the largest single process). One export at a time, nothing else running.\n\n"
         + table + "\n\n" + stored.get("notes", "") + "\n\n"
