@@ -63,9 +63,9 @@ def build(folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True)
     config = published_config()
     with torch.device("meta"):
-        shapes = {k: (tuple(v.shape), v.dim()) for k, v in Gemma4ForConditionalGeneration(config).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in Gemma4ForConditionalGeneration(config).state_dict().items()}
     shapes.pop("lm_head.weight", None)  # tied to the token table
-    total = sum(torch.Size(s).numel() for s, _ in shapes.values()) * 2
+    total = sum(torch.Size(s).numel() for s in shapes.values()) * 2
     gen = torch.Generator().manual_seed(seed)
     index, shard, size, written = {}, {}, 0, 0
     names = list(shapes)
@@ -81,17 +81,7 @@ def build(folder: Path, seed: int = 0) -> Path:
     number = 1
     t0 = time.perf_counter()
     for key in names:
-        shape, dim = shapes[key]
-        t = torch.empty(shape, dtype=torch.bfloat16)
-        if dim >= 2:
-            flat = t.view(shape[0], -1)
-            rows = max(1, (1 << 24) // max(1, flat.shape[1]))
-            for start in range(0, flat.shape[0], rows):
-                chunk = torch.randn((min(rows, flat.shape[0] - start), flat.shape[1]), generator=gen)
-                flat[start : start + rows] = chunk.mul_(0.02)
-        else:
-            t.fill_(1.0)  # norms, layer scalars
-        shard[key] = t
+        t = shard[key] = e2b_width.random_weight(shapes[key], gen)
         size += t.nbytes
         written += t.nbytes
         if size >= limit and number < SHARDS:
@@ -189,20 +179,20 @@ def main() -> int:
     rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
     rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
     rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {result['max_rss_gb']:.1f} |")
-    print(f"\nMachine: {os.cpu_count()} cores, {_mem_total_gb():.1f} GB RAM. Exporter: {result['memory_line']}")
+    print(f"\nMachine: {os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM. Exporter: {result['memory_line']}")
     print("\n".join(rows))
     print(f"\n.pte: {result['pte_gb']:.2f} GiB ({result['pte']})")
     print(subprocess.run([sys.executable, "-m", "optimum_qnn", "inspect", result["pte"]], capture_output=True, text=True).stdout)
     (args.work / "result.json").write_text(json.dumps(result, indent=1))
     shards = next((args.extra[i + 1] for i, a in enumerate(args.extra[:-1]) if a == "--shards"), "auto")
     stored = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.is_file() else {"runs": {}}
-    stored["machine"] = f"{os.cpu_count()} cores, {_mem_total_gb():.1f} GB RAM"
+    stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
     stored["runs"][shards] = {k: v for k, v in result.items() if k != "pte"}
     RESULTS_FILE.write_text(json.dumps(stored, indent=1))
     return 0
 
 
-def _mem_total_gb() -> float:
+def mem_total_gb() -> float:
     with open("/proc/meminfo") as f:
         return int(f.readline().split()[1]) / 2**20
 

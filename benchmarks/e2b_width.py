@@ -72,6 +72,20 @@ def depth_parameters(config: Gemma4TextConfig) -> int:
     return counts["layers"] + counts["per_layer_table"]
 
 
+def random_weight(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A bf16 tensor as the benchmark checkpoints store it: N(0, 0.02) noise for a matrix, drawn in fp32 one chunk of
+    about 16 M values at a time (no fp32 copy of a 262144-row table); ones for a vector (norms, layer scalars)."""
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    if len(shape) < 2:
+        return t.fill_(1.0)
+    flat = t.view(shape[0], -1)
+    rows = max(1, (1 << 24) // max(1, flat.shape[1]))
+    for start in range(0, flat.shape[0], rows):
+        chunk = torch.randn((min(rows, flat.shape[0] - start), flat.shape[1]), generator=gen)
+        flat[start : start + rows] = chunk.mul_(0.02)
+    return t
+
+
 def build(folder: Path, depth: int, reuse: int, seed: int = 0) -> Path:
     """Write (once; cached by recipe) a random-weight E2B-width checkpoint with `depth` layers to `folder`."""
     from safetensors.torch import save_file
@@ -90,15 +104,7 @@ def build(folder: Path, depth: int, reuse: int, seed: int = 0) -> Path:
     for name, p in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied to the token table
-        if p.dim() >= 2:
-            t = torch.empty(p.shape, dtype=torch.bfloat16)
-            rows = max(1, (1 << 24) // max(1, p[0].numel()))
-            for start in range(0, p.shape[0], rows):  # fp32 noise one chunk at a time
-                chunk = torch.randn((min(rows, p.shape[0] - start),) + tuple(p.shape[1:]), generator=gen)
-                t[start : start + rows] = chunk.mul_(0.02)
-        else:
-            t = torch.ones(p.shape, dtype=torch.bfloat16)  # norms, layer scalars
-        tensors[name] = t
+        tensors[name] = random_weight(tuple(p.shape), gen)
     config.architectures = ["Gemma4ForCausalLM"]
     config.dtype = "bfloat16"
     config.save_pretrained(folder)

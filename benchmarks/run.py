@@ -349,7 +349,7 @@ def main() -> int:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, "
-        f"{_mem_total_gb():.0f} GB RAM, Python {platform.python_version()}; {versions}. "
+        f"{e2b_full.mem_total_gb():.0f} GB RAM, Python {platform.python_version()}; {versions}. "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
         "## Export cost per stage\n\n"
@@ -402,10 +402,6 @@ def main() -> int:
     print(text)
     return 0
 
-
-def _mem_total_gb() -> float:
-    with open("/proc/meminfo") as f:
-        return int(f.readline().split()[1]) / 2**20
 
 
 if __name__ == "__main__":

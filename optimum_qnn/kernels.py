@@ -57,16 +57,10 @@ def chunked_weight_quantization() -> contextlib.AbstractContextManager:
     from torch.ao.quantization.fx import _decomposed as reference
 
     def quantize_per_channel(input, scales, zero_points, axis, quant_min, quant_max, dtype):
-        rows = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, input[0].numel())) if input.dim() else 1
-        if axis != 0 or input.shape[0] <= rows:
+        if axis != 0 or input.shape[0] <= _chunk_rows(input):
             return reference.quantize_per_channel(input, scales, zero_points, axis, quant_min, quant_max, dtype)
-        out = torch.empty(input.shape, dtype=dtype)
-        for start in range(0, input.shape[0], rows):
-            stop = start + rows
-            out[start:stop] = reference.quantize_per_channel(
-                input[start:stop], scales[start:stop], zero_points[start:stop], 0, quant_min, quant_max, dtype
-            )
-        return out
+        return _in_row_chunks(input, dtype, lambda rows: reference.quantize_per_channel(
+            input[rows], scales[rows], zero_points[rows], 0, quant_min, quant_max, dtype))
 
     return _both(
         cpu_kernels("quantized_decomposed", {"quantize_per_channel": quantize_per_channel}),
@@ -92,13 +86,24 @@ def _chunked_quantize_affine(input, block_size, scale, zero_point, output_dtype,
     def quantize(x, s, z):  # the body of torchao's `_quantize_affine` (calling the op would come back here)
         return reference._quantize_affine_no_dtype_cast(x, block_size, s, z, qmin, qmax).to(dtype)
 
-    rows = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, input[0].numel())) if input.dim() else 1
     per_row = input.dim() >= 2 and block_size[0] == 1 and scale.dim() >= 1 and scale.shape[0] == input.shape[0]
     per_row = per_row and (zero_point is None or zero_point.shape[:1] == scale.shape[:1])
-    if not per_row or input.shape[0] <= rows:
+    if not per_row or input.shape[0] <= _chunk_rows(input):
         return quantize(input, scale, zero_point)
+    return _in_row_chunks(input, dtype, lambda rows: quantize(
+        input[rows], scale[rows], None if zero_point is None else zero_point[rows]))
+
+
+def _chunk_rows(input: torch.Tensor) -> int:
+    """Rows of `input` per chunk: about `_ROWS_PER_CHUNK_ELEMENTS` values."""
+    return max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, input[0].numel())) if input.dim() else 1
+
+
+def _in_row_chunks(input: torch.Tensor, dtype: torch.dtype, quantize_rows: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """The quantized `input`, `quantize_rows(rows)` computing each chunk of rows (a slice along dim 0)."""
     out = torch.empty(input.shape, dtype=dtype)
-    for start in range(0, input.shape[0], rows):
-        stop = start + rows
-        out[start:stop] = quantize(input[start:stop], scale[start:stop], None if zero_point is None else zero_point[start:stop])
+    step = _chunk_rows(input)
+    for start in range(0, input.shape[0], step):
+        rows = slice(start, start + step)
+        out[rows] = quantize_rows(rows)
     return out

@@ -355,15 +355,12 @@ def prepare(program, quantizer) -> torch.fx.GraphModule:
 _CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout)
 
 
-def _mark_weight_casts_annotated(graph: torch.fx.GraphModule) -> int:
+def _mark_weight_casts_annotated(graph: torch.fx.GraphModule) -> None:
     from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
 
-    marked = 0
     for node in graph.graph.nodes:
         if node.op == "call_function" and node.target in _CASTS and getattr(node.args[0], "op", None) == "get_attr":
             node.meta["quantization_annotation"] = QuantizationAnnotation(_annotated=True)
-            marked += 1
-    return marked
 
 
 def quantize(
@@ -574,9 +571,8 @@ def _fold_key(graph: torch.fx.GraphModule, node: torch.fx.Node, env: Mapping) ->
         source = source.args[0]
     if not isinstance(source, torch.fx.Node) or source.op != "get_attr":
         return None
-    weight = graph
-    for part in source.target.split("."):
-        weight = getattr(weight, part)
+    owner, attr = _owner(graph, source.target)
+    weight = getattr(owner, attr)
     parts: list = [node.target, weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape)]
     for arg in [*node.args[1:], *sorted(node.kwargs.items())]:
         value = env.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg

@@ -73,17 +73,16 @@ def upcast_in_graph(module: nn.Module, keep: tuple[type[nn.Module], ...] = ()) -
     """Replace every `nn.Linear` of ``module`` whose weight is not fp32 by an `UpcastLinear`, and convert every
     other floating parameter or buffer that is not fp32 to fp32 (norm scales and the like: small), except those of
     modules of the ``keep`` types (e.g. quantized embedding tables). Returns the bytes left in the stored dtype."""
-    kept = 0
-    for name, child in list(module.named_modules()):
-        if isinstance(child, keep):
+    kept, skip = 0, set()
+    for child in list(module.modules()):
+        if isinstance(child, (*keep, UpcastLinear)):
+            skip |= {id(t) for t in [*child.parameters(), *child.buffers()]}
             continue
         for attr, sub in list(child.named_children()):
             if type(sub) is nn.Linear and sub.weight.dtype != torch.float32:
                 setattr(child, attr, UpcastLinear(sub))
                 kept += sub.weight.nbytes
-    skip = {id(t) for m in module.modules() if isinstance(m, keep) for t in [*m.parameters(), *m.buffers()]}
-    skip |= {id(m.weight) for m in module.modules() if isinstance(m, UpcastLinear)}
-    skip |= {id(m.bias) for m in module.modules() if isinstance(m, UpcastLinear) and m.bias is not None}
+                skip |= {id(t) for t in sub.parameters()}
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) not in skip and tensor.is_floating_point() and tensor.dtype != torch.float32:
             tensor.data = tensor.data.to(torch.float32)
