@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -98,14 +99,20 @@ def build(folder: Path, seed: int = 0) -> Path:
 _STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB")
 
 
-def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str]) -> dict:
+def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str], memory_limit_gb: float | None = None) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cli = Path(sys.executable).with_name("optimum-cli")
     command = ["/usr/bin/time", "-v", str(cli), "export", "qnn", "--model", str(model), "--output", str(out),
                "--soc", soc, "--quant", quant, "-v", *extra]
     print("$", " ".join(command[2:]), flush=True)
+    group = MemoryCgroup(memory_limit_gb) if memory_limit_gb else None
     t0 = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, preexec_fn=group.enter if group else None)
+        group_peak = group.peak_gb() if group else None
+    finally:
+        if group:
+            group.remove()
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     (out.parent / f"{out.name}.log").write_text(log)
@@ -115,17 +122,75 @@ def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str]) -
     max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)) / 2**20
     memory = next((line for line in log.splitlines() if "Memory:" in line), "")
     pte = next(out.rglob("model.pte"))
-    return {"stages": stages, "wall_s": wall, "max_rss_gb": max_rss, "memory_line": memory.split("Memory:", 1)[-1].strip(),
-            "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30, "components": components(pte)}
+    result = {"stages": stages, "wall_s": wall, "max_rss_gb": max_rss, "memory_line": memory.split("Memory:", 1)[-1].strip(),
+              "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30, "components": components(pte)}
+    if group:
+        result["memory_limit_gb"] = memory_limit_gb
+        result["cgroup_peak_gb"] = group_peak  # the cgroup's own high-water mark: RSS plus the page cache it was charged
+    return result
+
+
+class MemoryCgroup:
+    """A memory cgroup of `limit_gb` under this process's own, for the export to run in: a machine of that size as
+    far as the kernel's limit goes (the exporter reads the limit and sizes its budget from it). Needs a writable
+    cgroup hierarchy (root, v1 or v2)."""
+
+    def __init__(self, limit_gb: float):
+        membership = Path("/proc/self/cgroup").read_text().splitlines()
+        v1 = next((line.split(":", 2)[2] for line in membership if "memory" in line.split(":")[1].split(",")), None)
+        if v1 is not None:
+            parent, self.files = Path("/sys/fs/cgroup/memory") / v1.lstrip("/"), ("memory.limit_in_bytes", "memory.max_usage_in_bytes")
+        else:
+            v2 = next(line.split(":", 2)[2] for line in membership if line.startswith("0::"))
+            parent, self.files = Path("/sys/fs/cgroup") / v2.lstrip("/"), ("memory.max", "memory.peak")
+        self.path = parent / f"optimum-qnn-bench-{os.getpid()}"
+        try:
+            self.path.mkdir()
+            (self.path / self.files[0]).write_text(str(int(limit_gb * 2**30)))
+        except OSError as e:
+            raise SystemExit(f"--memory-limit needs a writable memory cgroup ({self.path}): {e}") from None
+
+    def enter(self) -> None:  # in the child, before exec
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak_gb(self) -> float | None:
+        try:
+            return int((self.path / self.files[1]).read_text()) / 2**30
+        except (OSError, ValueError):
+            return None
+
+    def remove(self) -> None:
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
 
 
 def components(pte: Path) -> dict[str, float]:
-    """The .pte's bytes (GiB) by component: the HTP context binaries (quantized weights, their scales, the graphs)
-    and everything else (the CPU embedding tables with their scales and zero points, the program)."""
+    """The .pte's bytes (GiB) by component, read from the file: the HTP context binaries (quantized weights, their
+    scales, the graphs), the CPU embedding tables' integer values and their scales (and zero points), and the rest
+    (the program, small constants, alignment)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.exir.schema import ScalarType, Tensor
+
     from optimum_qnn.inspection import inspect_pte
 
     htp = sum(context.size for context in inspect_pte(pte).contexts)
-    return {"htp_contexts": htp / 2**30, "cpu_and_program": (pte.stat().st_size - htp) / 2**30}
+    program = deserialize_pte_binary(pte.read_bytes()).program
+    element = {ScalarType.BYTE: 1, ScalarType.CHAR: 1, ScalarType.HALF: 2, ScalarType.FLOAT: 4}
+    constants: dict[int, tuple[ScalarType, int]] = {}  # by buffer: the methods share their constants
+    for plan in program.execution_plan:
+        for value in plan.values:
+            tensor = value.val
+            if isinstance(tensor, Tensor) and tensor.data_buffer_idx and tensor.scalar_type in element:
+                numel = math.prod(tensor.sizes)
+                constants[tensor.data_buffer_idx] = (tensor.scalar_type, numel * element[tensor.scalar_type])
+    big = [(dtype, size) for dtype, size in constants.values() if size >= 2**20]  # the tables, not norms or the like
+    values = sum(size for dtype, size in big if dtype in (ScalarType.BYTE, ScalarType.CHAR))
+    scales = sum(size for dtype, size in big if dtype in (ScalarType.HALF, ScalarType.FLOAT))
+    total = pte.stat().st_size
+    return {"htp_contexts": htp / 2**30, "table_values": values / 2**30, "table_scales": scales / 2**30,
+            "other": (total - htp - values - scales) / 2**30, "cpu_and_program": (total - htp) / 2**30}
 
 
 RESULTS_FILE = Path(__file__).parent / "e2b_full.json"
@@ -139,16 +204,24 @@ def section() -> str:
     runs = stored["runs"]
     names = [name for name, _, _ in next(iter(runs.values()))["stages"]]
     def label(key: str, run: dict) -> str:
-        if key.isdigit():
-            return f"--shards {key}"
+        shards, _, limit = key.partition("@")
+        where = f" in a {limit} memory cgroup" if limit else ""
+        if shards.isdigit():
+            return f"--shards {shards}{where}"
         chosen = re.match(r"(\d+) shard", run["memory_line"])
-        return f"no --shards ({chosen.group(1) if chosen else '?'} chosen)"
+        return f"no memory flags{where} ({chosen.group(1) if chosen else '?'} shards chosen)"
 
     header = ["stage"] + [f"{label(key, run)}: wall s / peak GB" for key, run in runs.items()]
     rows = [[name] + [f"{r['stages'][i][1]:.0f} / {r['stages'][i][2]:.1f}" for r in runs.values()] for i, name in enumerate(names)]
     rows.append(["**total** (wall, process max RSS)"] + [f"{r['wall_s']:.0f} / {r['max_rss_gb']:.1f}" for r in runs.values()])
+    rows.append(["cgroup peak GB (RSS + page cache charged)"] + [
+        f"{r['cgroup_peak_gb']:.1f}" if r.get("cgroup_peak_gb") else "-" for r in runs.values()])
     rows.append([".pte GiB (HTP contexts + CPU tables and program)"] + [
         f"{r['pte_gb']:.2f} ({r['components']['htp_contexts']:.2f} + {r['components']['cpu_and_program']:.2f})"
+        for r in runs.values()])
+    parts = ("htp_contexts", "table_values", "table_scales", "other")
+    rows.append([".pte parts GiB: HTP contexts / table values / table scales / other"] + [
+        " / ".join(f"{r['components'][p]:.2f}" for p in parts) if "table_values" in r["components"] else "-"
         for r in runs.values()])
     table = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     return (
@@ -169,13 +242,15 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/e2b-full"))
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--quant", default="16a4w_block")
+    parser.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                        help="run the export in a memory cgroup of this size (a machine of that size; needs root)")
     parser.add_argument("extra", nargs="*", help="more export flags (after --)")
     args = parser.parse_args()
     folder = CACHE / "bench-models" / "e2b-full"
     t0 = time.perf_counter()
     build(folder)
     print(f"checkpoint: {folder} ({time.perf_counter() - t0:.0f} s)")
-    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra)
+    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit)
     rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
     rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
     rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {result['max_rss_gb']:.1f} |")
@@ -185,6 +260,8 @@ def main() -> int:
     print(subprocess.run([sys.executable, "-m", "optimum_qnn", "inspect", result["pte"]], capture_output=True, text=True).stdout)
     (args.work / "result.json").write_text(json.dumps(result, indent=1))
     shards = next((args.extra[i + 1] for i, a in enumerate(args.extra[:-1]) if a == "--shards"), "auto")
+    if args.memory_limit:
+        shards += f"@{args.memory_limit:g}GB"
     stored = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.is_file() else {"runs": {}}
     stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
     stored["runs"][shards] = {k: v for k, v in result.items() if k != "pte"}

@@ -126,10 +126,19 @@ def check_output_folder(output: Path) -> None:
         pid = stale.name[len(_STAGING_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not _process_exists(int(pid)):
             logger.info("Removing %s, left by an interrupted export", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
 
 _STAGING_PREFIX = ".staging-"
+
+
+def staging_path(output: Path, suffix: str = "") -> Path:
+    """A fresh name in `output` for work in progress (a variant being staged, a program being lowered); what an
+    export that was killed leaves under such a name is removed by the next `check_output_folder`."""
+    return Path(output) / f"{_STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{suffix}"
 
 
 def _process_exists(pid: int) -> bool:
@@ -191,7 +200,7 @@ class VariantWriter:
         root_files = self._write_root()
         target = self.output / name
         # The pid in the name lets a later export remove the folder if this process gets killed.
-        staging = self.output / f"{_STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        staging = staging_path(self.output)
         try:
             staging.mkdir(parents=True)
             lowered.write(staging / PROGRAM_NAME)

@@ -68,8 +68,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, choices=BLOCK_SIZES, help="block size of 16a4w_block (default: %(default)s)")
     opt.add_argument(
         "--embedding-quant", default=None, metavar="BITS,GROUP",
-        help="weight-only quantization of the CPU-side embedding tables: '4,32', '8,0' (per row) or 'none' (default: "
-             "none for fp16; else 4-bit in groups of 32, or of 16 or 8 when 32 does not divide the model's width)",
+        help="weight-only quantization of the CPU-side embedding tables: '4,32', '8,0' (per row) or 'none'; symmetric "
+             "with fp16 scales, or with zero points and fp32 scales with ',asym' (e.g. '4,32,asym'; larger) (default: "
+             "none for fp16; else 4-bit symmetric in groups of 32, or of 16 or 8 when 32 does not divide the model's width)",
     )
     opt.add_argument(
         "--quant-override", action="append", default=[], metavar="REGEX=SCHEME",

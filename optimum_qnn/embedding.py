@@ -25,8 +25,8 @@ _ROW_CHUNK_ELEMENTS = 1 << 24  # rows are quantized in chunks of about 16 M valu
 class QuantizedEmbedding(nn.Module):
     """An embedding lookup for the CPU side of the graph: weight-only quantized (4-bit or 8-bit) or float.
 
-    Quantization is asymmetric per group of `group_size` columns (`group_size=0`: per row), with scales and
-    zero points in `out_dtype`. The forward calls `quantized_decomposed::embedding_4bit.dtype` (two 4-bit
+    Quantization is per group of `group_size` columns (`group_size=0`: per row): symmetric with fp16 scales and no
+    zero points (`quant.symmetric`, the default), or asymmetric with scales and zero points in `out_dtype`. The forward calls `quantized_decomposed::embedding_4bit.dtype` (two 4-bit
     values per byte, the layout ExecuTorch's kernel unpacks) or `embedding_byte.dtype`; the QNN partitioner
     does not take either, so they run on the CPU (import `executorch.kernels.quantized` before loading the .pte).
     The float variant (`bits=0`) is a plain `aten.embedding`, which `make_quantizer` never annotates; keep it
@@ -38,8 +38,9 @@ class QuantizedEmbedding(nn.Module):
     Args:
         weight: the `[num_embeddings, embedding_dim]` table, any floating dtype.
         quant: bits (0, 4, 8) and group size.
-        out_dtype: dtype of the looked-up rows, and of the scales and zero points (ExecuTorch's kernel wants zero
-            points in the output dtype, its reference op wants them in the scales' dtype).
+        out_dtype: dtype of the looked-up rows, and of the asymmetric form's scales and zero points (ExecuTorch's
+            kernel wants zero points in the output dtype, its reference op wants them in the scales' dtype). The
+            kernel reads fp16 scales for any output dtype, as long as there are no zero points.
 
     Example:
         >>> emb = QuantizedEmbedding(model.embed_tokens.weight, EmbeddingQuant(bits=4, group_size=32))
@@ -59,6 +60,7 @@ class QuantizedEmbedding(nn.Module):
         self.bits = quant.bits
         self.num_embeddings, self.embedding_dim = weight.shape
         self.out_dtype = out_dtype
+        self.symmetric = quant.symmetric
         if self.bits == 0:
             self.group_size = 0
             self.register_buffer("weight", weight.detach().to(out_dtype).clone())
@@ -74,16 +76,19 @@ class QuantizedEmbedding(nn.Module):
         packed_cols = self.embedding_dim // 2 if self.bits == 4 else self.embedding_dim
         packed = torch.empty(self.num_embeddings, packed_cols, dtype=torch.uint8 if self.bits == 4 else torch.int8)
         groups = self.embedding_dim // group
-        scales = torch.empty(self.num_embeddings, groups, dtype=out_dtype)
-        zero_points = torch.empty(self.num_embeddings, groups, dtype=out_dtype)
+        scale_dtype = torch.float16 if self.symmetric else out_dtype
+        scales = torch.empty(self.num_embeddings, groups, dtype=scale_dtype)
+        zero_points = None if self.symmetric else torch.empty(self.num_embeddings, groups, dtype=out_dtype)
         rows = max(1, _ROW_CHUNK_ELEMENTS // self.embedding_dim)
         with torch.no_grad():
             for start in range(0, self.num_embeddings, rows):
                 stop = min(start + rows, self.num_embeddings)
-                q, s, z = self._quantize_rows(weight[start:stop], out_dtype)
-                release_pages(weight[start:stop])  # a table mapped from its checkpoint does not stay resident
+                chunk = weight[start:stop]
+                q, s, z = self._symmetric_rows(chunk) if self.symmetric else self._quantize_rows(chunk, out_dtype)
+                release_pages(chunk)  # a table mapped from its checkpoint does not stay resident
                 scales[start:stop] = s
-                zero_points[start:stop] = z
+                if zero_points is not None:
+                    zero_points[start:stop] = z
                 if self.bits == 4:
                     # byte = (even + 8) << 4 | (odd + 8): the unpacking of embedding_4bit
                     u = (q + 8).to(torch.uint8).view(stop - start, -1, 2)
@@ -112,6 +117,21 @@ class QuantizedEmbedding(nn.Module):
         q = torch.clamp(torch.round(w / s.unsqueeze(-1)) + zero.unsqueeze(-1), self.qmin, self.qmax)
         return q.to(torch.int16).view(n, -1), scale, zero.to(scale_dtype)
 
+    def _symmetric_rows(self, chunk: torch.Tensor):
+        n = chunk.shape[0]
+        w = chunk.to(torch.float32).view(n, -1, self.group_size)
+        # The widest scale of the two ends: -qmin steps below zero, qmax above.
+        scale = torch.maximum(w.amin(dim=-1) / self.qmin, w.amax(dim=-1) / self.qmax)
+        if not torch.isfinite(scale).all() or scale.max() > torch.finfo(torch.float16).max:
+            raise ValueError(
+                "An embedding table holds values beyond what fp16 scales represent (or non-finite values); quantize "
+                "it with zero points and float32 scales (--embedding-quant BITS,GROUP,asym) or keep it float ('none')"
+            )
+        # The stored (rounded) scale is the one used to quantize; fp16 subnormals are kept (the kernel reads them).
+        scale = scale.clamp(min=torch.finfo(torch.float16).smallest_normal * 2.0**-10).to(torch.float16)
+        q = torch.clamp(torch.round(w / scale.to(torch.float32).unsqueeze(-1)), self.qmin, self.qmax)
+        return q.to(torch.int16).view(n, -1), scale, None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.bits == 0:
             return nn.functional.embedding(input_ids, self.weight)
@@ -126,5 +146,5 @@ class QuantizedEmbedding(nn.Module):
         return self(torch.arange(self.num_embeddings))
 
     def extra_repr(self) -> str:
-        quant = f"bits={self.bits}, group_size={self.group_size}" if self.bits else "float"
+        quant = f"bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}" if self.bits else "float"
         return f"{self.num_embeddings}, {self.embedding_dim}, {quant}"

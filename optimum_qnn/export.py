@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from optimum_qnn.artifacts import VariantWriter, check_output_folder, variant_name
+from optimum_qnn.artifacts import VariantWriter, check_output_folder, staging_path, variant_name
 from optimum_qnn.calibration import CalibrationSource
 from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import RunnerContract
@@ -249,21 +249,27 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         lower = functools.partial(
             lower_to_pte, sources, soc, fp16=not config.quant.is_quantized,
             constant_methods=runner_metadata(static, config, contract), skip_ops=_CPU_OPS, int64_inputs={"tokens"},
-            shard_starts=shard_starts, quantized_io=quantized_io,
+            shard_starts=shard_starts, quantized_io=quantized_io, memory_budget_gb=memory.budget_gib,
         )
-        with _stage(result, f"lower {soc.value}"), _progress(f"Lowering for {soc.value}"):
-            lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1)
-            result.delegation[soc.value] = format_delegation(lowered.delegation)
-        with _stage(result, f"inspect {soc.value}"):
-            unshared = (lambda: lower(weight_sharing=False).buffer) if check_weight_sharing else None
-            inspection = export_time_inspection(lowered.buffer, unshared)
-        with _stage(result, f"write {soc.value}"):
-            path = writer.write_variant(
-                variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
-                evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
-            )
-            result.variants.append(path)
-            write_model_card(output)  # the folder is complete as published: its card lists every variant
+        # The program is streamed to a file next to the variants (the same file system: the writer moves it into
+        # place), so its bytes are never joined in memory; the file goes with a failure.
+        program_file = staging_path(output, ".pte")
+        try:
+            with _stage(result, f"lower {soc.value}"), _progress(f"Lowering for {soc.value}"):
+                lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1, path=program_file)
+                result.delegation[soc.value] = format_delegation(lowered.delegation)
+            with _stage(result, f"inspect {soc.value}"):
+                unshared = (lambda: lower(weight_sharing=False).buffer) if check_weight_sharing else None
+                inspection = export_time_inspection(lowered.program, unshared)
+            with _stage(result, f"write {soc.value}"):
+                path = writer.write_variant(
+                    variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
+                    evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
+                )
+                result.variants.append(path)
+                write_model_card(output)  # the folder is complete as published: its card lists every variant
+        finally:
+            program_file.unlink(missing_ok=True)
     return result
 
 

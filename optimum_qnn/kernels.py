@@ -46,8 +46,12 @@ def row_gather_lookups() -> contextlib.AbstractContextManager:
 def _on_gathered_rows(kernel: Callable) -> Callable:
     def lookup(weight, scales, zero_points, quant_min, quant_max, indices, dtype=None):
         rows, inverse = torch.unique(indices.reshape(-1), return_inverse=True)
+        scales = scales[rows]
+        if zero_points is None and scales.dtype != torch.float32:
+            # ExecuTorch's C++ kernel multiplies in float32; the reference would round the products to fp16.
+            scales = scales.to(torch.float32)
         zero_points = None if zero_points is None else zero_points[rows]
-        return kernel(weight[rows], scales[rows], zero_points, quant_min, quant_max, inverse.view(indices.shape), dtype)
+        return kernel(weight[rows], scales, zero_points, quant_min, quant_max, inverse.view(indices.shape), dtype)
 
     return lookup
 

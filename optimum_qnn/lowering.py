@@ -27,6 +27,7 @@ import sys
 import tempfile
 import operator
 import re
+import shutil
 from collections import Counter
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -132,18 +133,19 @@ class MethodDelegation:
         return self.partitions == 1 and not self.on_cpu
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoweredProgram:
     """A serialized ExecuTorch program plus what lowering found out about it.
 
     Args:
-        buffer: the .pte bytes.
+        program: the .pte bytes, or the file they were written to (`lower_to_pte(..., path=...)`: a program of
+            several GB is streamed to disk, never joined in memory).
         delegation: per method, what was delegated to QNN.
         weight_sharing: whether the methods' graphs share weights inside their context binaries.
         soc: the target SoC.
     """
 
-    buffer: bytes
+    program: bytes | Path
     delegation: dict[str, MethodDelegation]
     weight_sharing: bool
     soc: Soc
@@ -153,9 +155,19 @@ class LoweredProgram:
         """QNN delegates per method."""
         return max((d.partitions for d in self.delegation.values()), default=1)
 
+    @property
+    def buffer(self) -> bytes:
+        """The .pte bytes (read from the file when the program was written to one)."""
+        return self.program if isinstance(self.program, bytes) else self.program.read_bytes()
+
     def write(self, path: str | Path) -> Path:
+        """Write the program to `path`; a program already in a file is moved there (same file system) or copied."""
         path = Path(path)
-        path.write_bytes(self.buffer)
+        if isinstance(self.program, bytes):
+            path.write_bytes(self.program)
+        else:
+            shutil.move(self.program, path)
+            self.program = path
         return path
 
 
@@ -172,6 +184,8 @@ def lower_to_pte(
     shard_starts: Collection[int] = (),
     quantized_io: Mapping[str, Collection[int]] | None = None,
     workers: int | None = None,
+    memory_budget_gb: float | None = None,
+    path: str | Path | None = None,
 ) -> LoweredProgram:
     """Lower one or more methods to QNN and serialize them into one .pte.
 
@@ -200,6 +214,10 @@ def lower_to_pte(
             prepared (see `optimum_qnn.parallel_compile`). Defaults to the cores available to the process; 1 compiles
             in this process, one shard after the other. The programs compute the same either way (only QNN's
             internal tensor numbering inside the context binaries differs).
+        memory_budget_gb: a second compile worker starts only while this process and its workers stay within it
+            (the export's memory budget); None: only what the machine has available limits them.
+        path: write the program to this file as it is serialized (ExecuTorch's `write_to_file`) instead of
+            returning its bytes: Gemma-4-E2B's program is 3 GB, and joining it in memory costs that much again.
 
     Returns:
         The `LoweredProgram` (bytes + delegation summary).
@@ -240,7 +258,7 @@ def lower_to_pte(
         edge = _to_edge_and_lower(
             exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
             shard_starts=shard_starts, quantized_io=quantized_io or {},
-            workers=default_workers() if workers is None else workers,
+            workers=default_workers() if workers is None else workers, budget_gb=memory_budget_gb,
         )
         del exported
         if shard_starts:
@@ -257,9 +275,17 @@ def lower_to_pte(
             # or is a constant. Cannot override the existing data pointer."); the Python runtime allocates them.
             memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
         )
-        buffer = edge.to_executorch(config).buffer
+        executorch_program = edge.to_executorch(config)
+        del edge
+        if path is None:
+            program: bytes | Path = bytes(executorch_program.buffer)
+        else:
+            program = Path(path)
+            with program.open("wb") as f:
+                executorch_program.write_to_file(f)
+        del executorch_program
     logger.debug("QNN compiler output:\n%s", native_log.text)
-    return LoweredProgram(buffer=bytes(buffer), delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+    return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
 
 
 class _NativeLog:
@@ -368,6 +394,7 @@ def _to_edge_and_lower(
     shard_starts: Collection[int],
     quantized_io: Mapping[str, Collection[int]],
     workers: int,
+    budget_gb: float | None = None,
 ) -> EdgeProgramManager:
     """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
     export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
@@ -407,7 +434,7 @@ def _to_edge_and_lower(
     with (
         QnnManagerContext({name: spec for name in exported}),
         _preprocess_copies_share_weights(),
-        parallel_shard_compiles(workers),
+        parallel_shard_compiles(workers, budget_gb),
     ):
         edge = to_edge_transform_and_lower(
             aten,

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, shard_starts
 from optimum_qnn.errors import InvalidInputError
 
 GB_BYTES = 2**30
@@ -67,9 +67,9 @@ _STAGE_FIT = {
 # 7.15, 16.73 GB at 2, 7 layers in one shard per layer, 35 layers in 4 shards) above `_LOWER_BASE`.
 _LOWER_RESIDENT = 0.752
 _SHARD_BYTES_PER_PARAM = 10.078
-# The measured rows quantized HTP weights to 4 bits and embedding tables to 4 bits.
+# The measured rows quantized HTP weights to 4 bits and the embedding tables to 4 bits, symmetric, groups of 32.
 _MEASURED_WEIGHT_BITS = 4
-_MEASURED_TABLE_BITS = 4
+_MEASURED_TABLE_BYTES = 4 / 8 + 2 / 32  # 4-bit symmetric in groups of 32, an fp16 scale per group
 # Held back from MemAvailable when the user gives no --max-memory: other processes grow, and the estimate is a fit.
 MARGIN_FRACTION, MIN_MARGIN_GB = 0.10, 1.0
 
@@ -166,8 +166,8 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     # What the rows did not vary, computed from the widths (bytes per parameter beyond the measured 4-bit ones).
     weight_extra = max(0, config.quant.weight_bits - _MEASURED_WEIGHT_BITS) / 8
     # Unresolved (None): what `EmbeddingQuant.default_for` picks, 4-bit when quantized, else float; float is stored.
-    table_bits = (config.embedding_quant.bits if config.embedding_quant is not None else 4 * quantized) or 8 * counts.stored_bytes
-    table_extra = counts.tables * max(0, table_bits - _MEASURED_TABLE_BITS) / 8 / GB_BYTES
+    tables = config.embedding_quant or (EmbeddingQuant(4, 32) if quantized else EmbeddingQuant(0, 0))
+    table_extra = counts.tables * max(0.0, _table_bytes_per_param(tables) - _MEASURED_TABLE_BYTES) / GB_BYTES
     float_model = counts.total * 4 / GB_BYTES if evaluate else 0.0  # the float32 Hugging Face model kept for --evaluate
     stages = {}
     for name, (a, b) in _STAGE_FIT.items():
@@ -177,7 +177,7 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
         if name in ("quantize", "write"):
             held += counts.htp * weight_extra / GB_BYTES
         stages[name] = _BASE + a * table + b * rest + held
-    starts = tuple(round(i * len(counts.layers) / shards) for i in range(1, shards))
+    starts = shard_starts(len(counts.layers), shards)
     shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
     # After the lowering, what the compiler took for a shard larger than one layer is still held (measured on an
     # earlier pipeline, 7 layers in one shard: write 6.84 GB against 5.31 in seven); the write fit is of one-layer
@@ -189,15 +189,73 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
 
 
-def available_gib(meminfo: Path = Path("/proc/meminfo")) -> float | None:
-    """MemAvailable of this machine in GB (Linux), or None where the kernel does not report it."""
+@dataclass(frozen=True)
+class CgroupFiles:
+    """Where this process's control groups are described (`/proc/self/cgroup`) and mounted."""
+
+    membership: Path = Path("/proc/self/cgroup")
+    root: Path = Path("/sys/fs/cgroup")
+
+
+def _table_bytes_per_param(quant: EmbeddingQuant) -> float:
+    """Bytes per embedding table parameter once quantized: the values, and per group an fp16 scale (symmetric) or
+    float32 scale and zero point; a float table is held in float32 (the lookups' output dtype)."""
+    if not quant.bits:
+        return 4.0
+    group = quant.group_size or 256  # one group per row: at least as wide as the narrowest E2B-like table
+    return quant.bits / 8 + (2 if quant.symmetric else 8) / group
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> tuple[float | None, str]:
+    """The memory this process can still take, in GB, and what limits it: the machine's MemAvailable, or the
+    memory limit of a control group it runs in (a container, a systemd slice, a CI job) when that leaves less.
+    (None, "unknown") where neither is reported."""
+    machine = None
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 / GB_BYTES
+                machine = int(line.split()[1]) * 1024 / GB_BYTES
+                break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    group = _cgroup_headroom(cgroups or CgroupFiles())
+    if group is not None and (machine is None or group < machine):
+        return group, f"cgroup memory limit, {group:.1f} GB free"
+    return machine, "unknown" if machine is None else f"MemAvailable {machine:.1f} GB"
+
+
+def _cgroup_headroom(files: CgroupFiles) -> float | None:
+    """The smallest headroom (limit - usage + inactive file cache, which the kernel reclaims before it kills) over
+    the memory cgroups this process belongs to and their ancestors, in GB; None without a limit."""
+    try:
+        membership = files.membership.read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in membership:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2 (unified hierarchy), mounted at the root or under "unified"
+            base = files.root if (files.root / "cgroup.controllers").exists() else files.root / "unified"
+            limit_name, usage_name, inactive_name = "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = files.root / "memory"
+            limit_name, usage_name, inactive_name = "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        folder = base / path.strip().lstrip("/")
+        while True:
+            try:
+                limit = (folder / limit_name).read_text().strip()
+                if limit != "max" and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number
+                    usage = int((folder / usage_name).read_text())
+                    stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+                    headrooms.append((int(limit) - usage + int(stat.get(inactive_name, 0))) / GB_BYTES)
+            except (OSError, ValueError):
+                pass
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return max(0.0, min(headrooms)) if headrooms else None
 
 
 def default_budget_gib(available: float | None) -> float | None:
@@ -213,7 +271,7 @@ class MemoryPlan:
 
     estimate: MemoryEstimate
     budget_gib: float | None
-    budget_source: str  # "--max-memory", "MemAvailable ... less margin", or "unknown"
+    budget_source: str  # "--max-memory", "MemAvailable ... less margin", "cgroup memory limit ... less margin", or "unknown"
     auto: bool
 
     def summary(self) -> str:
@@ -226,7 +284,7 @@ class MemoryPlan:
 
 
 def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluate: bool = False,
-                       meminfo: Path = Path("/proc/meminfo")) -> MemoryPlan:
+                       meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> MemoryPlan:
     """The fewest shards whose estimated lowering peak fits the budget (``config.shards`` when the user gave one), or
     an `InvalidInputError` with the estimate and the fix when the export cannot fit.
 
@@ -234,9 +292,9 @@ def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluat
     if config.max_memory is not None:
         budget, source = config.max_memory, "--max-memory"
     else:
-        available = available_gib(meminfo)
+        available, source = available_memory(meminfo, cgroups)
         budget = default_budget_gib(available)
-        source = f"MemAvailable {available:.1f} GB less margin" if available is not None else "unknown"
+        source = f"{source} less margin" if available is not None else source
     num_layers = len(counts.layers)
     if config.shards is not None:
         plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)

@@ -114,12 +114,12 @@ def _private_kb(pid: int) -> int:
         return 0
 
 
-def _meminfo_kb(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/meminfo has no {field}")
+def _available_kb() -> float:
+    """What the machine, or the memory cgroup this process runs in, has available (`memory.available_memory`)."""
+    from optimum_qnn.memory import available_memory
+
+    available = available_memory()[0]
+    return float("inf") if available is None else available * 2**20
 
 
 def _rss_kb() -> int:
@@ -128,8 +128,10 @@ def _rss_kb() -> int:
 
 
 @contextlib.contextmanager
-def parallel_shard_compiles(workers: int) -> Iterator[None]:
-    """While active, QnnBackend compiles the shards of a multi-method lowering in up to ``workers`` processes.
+def parallel_shard_compiles(workers: int, budget_gb: float | None = None) -> Iterator[None]:
+    """While active, QnnBackend compiles the shards of a multi-method lowering in up to ``workers`` processes, a new
+    one only while the memory they are expected to take is available (and within ``budget_gb``, counting this
+    process and its workers, when given).
 
     ExecuTorch's own method runs when ``workers`` is 1, fork is unavailable, a lowering has one shard, or the QNN
     options dump tensors or record API calls (saver): those write files from the compiling process."""
@@ -143,7 +145,7 @@ def parallel_shard_compiles(workers: int) -> Iterator[None]:
     original = QnnBackend.preprocess_multimethod
 
     def preprocess_multimethod(edge_programs, compile_specs):
-        return _preprocess(edge_programs, compile_specs, workers, original)
+        return _preprocess(edge_programs, compile_specs, workers, original, budget_gb)
 
     saved = QnnBackend.__dict__["preprocess_multimethod"]
     QnnBackend.preprocess_multimethod = staticmethod(preprocess_multimethod)
@@ -153,7 +155,7 @@ def parallel_shard_compiles(workers: int) -> Iterator[None]:
         QnnBackend.preprocess_multimethod = saved
 
 
-def _preprocess(edge_programs, compile_specs, workers: int, original: Callable):
+def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, budget_gb: float | None = None):
     """`preprocess_multimethod` with the compiles in worker processes: the i-th partitions of all methods make one
     context binary, as in ExecuTorch (the first method's spec serves all, which `lower_to_pte` guarantees)."""
     from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
@@ -169,7 +171,7 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable):
     if len(counts) != 1 or shards < 2 or option.saver or manager.IsTensorDump():
         return original(edge_programs, compile_specs)
     graph_names = list(edge_programs)
-    pool = _WorkerPool(workers, shards)
+    pool = _WorkerPool(workers, shards, budget_gb)
     binaries: list[bytes | list[bytes]] = [b""] * shards
     try:
         for i in compile_order(shards):
@@ -233,8 +235,9 @@ def _shard_params(programs) -> int:
 class _WorkerPool:
     """At most ``workers`` forked compiles at once, each writing its context binary (or its error) to a file."""
 
-    def __init__(self, workers: int, shards: int):
+    def __init__(self, workers: int, shards: int, budget_gb: float | None = None):
         self.workers, self.shards = workers, shards
+        self.budget_kb = None if budget_gb is None else budget_gb * 2**20
         self.done = 0
         self.folder = tempfile.TemporaryDirectory(prefix="optimum-qnn-compile-")
         self.running: dict[int, tuple[int, int]] = {}  # pid -> (shard, parameters)
@@ -256,11 +259,16 @@ class _WorkerPool:
         logger.debug("Shard %d/%d: compiling in worker %d (%d running)", shard + 1, self.shards, pid, len(self.running))
 
     def _memory_allows(self, params: int) -> bool:
-        """Whether MemAvailable covers the new worker's expected working set plus what the running ones may
-        still take (their expected set minus what they hold already)."""
-        pending = sum(max(0, p * self.bytes_per_param / 1024 - _private_kb(pid)) for pid, (_, p) in self.running.items())
+        """Whether the memory left covers the new worker's expected working set plus what the running ones may
+        still take (their expected set minus what they hold already). Left: what the machine (or the cgroup) has
+        available and, with a budget (the export's --max-memory, or the default it chose the shards for), the budget
+        less what this process and its workers hold."""
+        private = {pid: _private_kb(pid) for pid in self.running}
+        pending = sum(max(0, p * self.bytes_per_param / 1024 - private[pid]) for pid, (_, p) in self.running.items())
         need = params * self.bytes_per_param / 1024 + pending
-        available = _meminfo_kb("MemAvailable")
+        available = _available_kb()
+        if self.budget_kb is not None:
+            available = min(available, self.budget_kb - _rss_kb() - sum(private.values()))
         if available >= need:
             return True
         logger.debug("Waiting for a compile to finish: %.0f MiB available, about %.0f MiB needed", available / 1024, need / 1024)

@@ -46,7 +46,7 @@ def writer(output: Path, source: Path) -> VariantWriter:
 
 
 def program(size: int, fill: int = 7) -> LoweredProgram:
-    return LoweredProgram(buffer=bytes([fill]) * size, delegation={}, weight_sharing=False, soc=Soc.SM8650)
+    return LoweredProgram(program=bytes([fill]) * size, delegation={}, weight_sharing=False, soc=Soc.SM8650)
 
 
 @pytest.fixture
@@ -188,8 +188,13 @@ def test_staging_folders_of_killed_exports_are_removed(tmp_path):
     for folder in (stale, live):
         folder.mkdir()
         (folder / "model.pte").write_bytes(b"x")
+    # a program being lowered is streamed to a staging file of its own
+    stale_program, live_program = out / f".staging-{dead.pid}-0a.pte", out / f".staging-{os.getpid()}-0b.pte"
+    for file in (stale_program, live_program):
+        file.write_bytes(b"x")
     check_output_folder(out)
     assert not stale.exists() and live.exists()
+    assert not stale_program.exists() and live_program.exists()
 
 
 def test_foreign_index_is_refused_before_any_work(tmp_path):

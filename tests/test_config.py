@@ -78,6 +78,24 @@ def test_embedding_quant_default_fits_the_table_widths():
         EmbeddingQuant(4, 32).check_widths((48, 48))
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4,32", EmbeddingQuant(4, 32)), ("4,32,asym", EmbeddingQuant(4, 32, symmetric=False)),
+    ("8", EmbeddingQuant(8, 0)), ("8,asym", EmbeddingQuant(8, 0, symmetric=False)), ("4,64,sym", EmbeddingQuant(4, 64)),
+    ("none", EmbeddingQuant(0, 0)),
+])
+def test_embedding_quant_parse_round_trips(text, expected):
+    """Symmetric (fp16 scales, no zero points) unless ',asym' asks for zero points; str() gives the parsable form."""
+    parsed = EmbeddingQuant.parse(text)
+    assert parsed == expected and EmbeddingQuant.parse(str(parsed)) == parsed
+    assert expected.symmetric or str(parsed).endswith(",asym")
+
+
+def test_embedding_quant_parse_refuses_junk():
+    for text in ("4,32,asymm", "asym", "4,32,1,asym"):
+        with pytest.raises(ValueError, match="Cannot parse embedding quantization"):
+            EmbeddingQuant.parse(text)
+
+
 def test_shards_and_max_memory_default_to_the_exporters_choice():
     default = parse()
     assert default.shards is None and default.max_memory is None

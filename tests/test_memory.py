@@ -15,8 +15,10 @@ import pytest
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.memory import (
+    GB_BYTES,
+    CgroupFiles,
     ParameterCounts,
-    available_gib,
+    available_memory,
     choose_memory_plan,
     default_budget_gib,
     estimate,
@@ -121,17 +123,59 @@ def test_a_given_shard_count_is_kept_and_checked(e2b):
 def test_default_budget_is_mem_available_less_a_margin(tmp_path, e2b):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       25165824 kB\nMemFree:         1000000 kB\nMemAvailable:   16777216 kB\n")
-    assert available_gib(meminfo) == 16.0
+    no_cgroup = CgroupFiles(tmp_path / "no-cgroup", tmp_path)
+    assert available_memory(meminfo, no_cgroup) == (16.0, "MemAvailable 16.0 GB")
     assert default_budget_gib(16.0) == pytest.approx(14.4) and default_budget_gib(5.0) == 4.0
-    assert available_gib(tmp_path / "missing") is None and default_budget_gib(None) is None
+    assert available_memory(tmp_path / "missing", no_cgroup) == (None, "unknown") and default_budget_gib(None) is None
     with pytest.raises(InvalidInputError) as info:
-        choose_memory_plan(e2b, ExportConfig(), meminfo=meminfo)
+        choose_memory_plan(e2b, ExportConfig(), meminfo=meminfo, cgroups=no_cgroup)
     message = str(info.value)
     assert "budget of 14.4 GB (MemAvailable 16.0 GB less margin)" in message
     assert "estimated" in message and "--max-memory" in message
     # Without MemAvailable there is no budget to refuse against: the fewest shards, and a line saying so.
-    plan = choose_memory_plan(e2b, ExportConfig(), meminfo=tmp_path / "missing")
+    plan = choose_memory_plan(e2b, ExportConfig(), meminfo=tmp_path / "missing", cgroups=no_cgroup)
     assert plan.estimate.shards == 1 and "no budget known" in plan.summary()
+
+
+def _cgroup(root: Path, version: int, limit: str, usage: int, inactive: int, path: str = "/job") -> CgroupFiles:
+    """A fake /proc/self/cgroup and cgroup mount: the process in `path`, with that memory limit and usage."""
+    if version == 2:
+        (root / "cgroup.controllers").parent.mkdir(parents=True, exist_ok=True)
+        (root / "cgroup.controllers").write_text("cpu memory\n")
+        folder, files = root / path.lstrip("/"), ("memory.max", "memory.current", "inactive_file")
+        membership = f"0::{path}\n"
+    else:
+        folder, files = root / "memory" / path.lstrip("/"), ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        membership = f"9:name=systemd:/\n4:memory:{path}\n0::/\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / files[0]).write_text(limit + "\n")
+    (folder / files[1]).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"anon 1\n{files[2]} {inactive}\n")
+    (root / "self-cgroup").write_text(membership)
+    return CgroupFiles(root / "self-cgroup", root)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_cgroup_memory_limit_sets_the_default_budget(tmp_path, e2b, version):
+    """In a container or a systemd slice the limit, not the machine, is what the kernel enforces: a 16 GB limit with
+    1 GB used, 0.5 GB of it reclaimable cache, leaves 15.5 GB on a machine with 22 GB available."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   23068672 kB\n")  # 22 GB
+    cgroups = _cgroup(tmp_path / "fs", version, str(16 * GB_BYTES), GB_BYTES, GB_BYTES // 2)
+    assert available_memory(meminfo, cgroups) == (15.5, "cgroup memory limit, 15.5 GB free")
+    plan = choose_memory_plan(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK), meminfo=meminfo, cgroups=cgroups)
+    assert plan.budget_gib == pytest.approx(15.5 - 1.55) and "(cgroup memory limit, 15.5 GB free less margin)" in plan.summary()
+    # No limit ("max" in v2, a huge number in v1): the machine's figure.
+    unlimited = _cgroup(tmp_path / "fs2", version, "max" if version == 2 else str(2**63 - 4096), GB_BYTES, 0)
+    assert available_memory(meminfo, unlimited) == (22.0, "MemAvailable 22.0 GB")
+    # A limit on a parent group counts too.
+    parent = _cgroup(tmp_path / "fs3", version, "max" if version == 2 else str(2**63 - 4096), 0, 0, path="/slice/job")
+    top = tmp_path / "fs3" / ("" if version == 2 else "memory") / "slice"
+    limits = ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    (top / limits[0]).write_text(str(12 * GB_BYTES))
+    (top / limits[1]).write_text(str(2 * GB_BYTES))
+    (top / "memory.stat").write_text("")
+    assert available_memory(meminfo, parent)[0] == 10.0
 
 
 def test_the_printed_line_says_estimate(demo_model_dir):

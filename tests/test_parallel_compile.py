@@ -124,12 +124,28 @@ def test_at_most_workers_compile_at_once(tmp_path):
 @needs_fork
 def test_no_new_worker_while_memory_does_not_cover_it(monkeypatch):
     """With MemAvailable below what a shard is expected to take, a worker starts only when the others are done."""
-    monkeypatch.setattr(parallel_compile, "_meminfo_kb", lambda field: 0)
+    monkeypatch.setattr(parallel_compile, "_available_kb", lambda: 0)
     pool, binaries = _WorkerPool(workers=2, shards=2), [b"", b""]
     try:
         pool.start(0, 1_000_000, lambda: (time.sleep(0.5), b"first")[1], binaries)
         pool.start(1, 1_000_000, lambda: b"second", binaries)
         assert binaries[0] == b"first"  # the second start waited for the first compile
+        pool.finish(binaries)
+    finally:
+        pool.kill()
+
+
+@needs_fork
+@pytest.mark.parametrize("budget_gb, waits", [(0.001, True), (1000.0, False)])
+def test_the_export_budget_caps_the_workers(monkeypatch, budget_gb, waits):
+    """With plenty available on the machine, a second worker still waits when this process plus the running
+    worker leave no room for it in the export's memory budget, and does not when the budget has room."""
+    monkeypatch.setattr(parallel_compile, "_available_kb", lambda: float("inf"))
+    pool, binaries = _WorkerPool(workers=2, shards=2, budget_gb=budget_gb), [b"", b""]
+    try:
+        pool.start(0, 1000, lambda: (time.sleep(0.5), b"first")[1], binaries)
+        pool.start(1, 1000, lambda: b"second", binaries)
+        assert (binaries[0] == b"first") is waits
         pool.finish(binaries)
     finally:
         pool.kill()

@@ -107,7 +107,7 @@ config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMod
 writer = VariantWriter(out, source_folder=source, model_id=str(source), revision=None,
                        load_report=LoadReport(files=["model.safetensors"]), tokenizer=None,
                        text_config=read_text_config(source))
-program = LoweredProgram(buffer=b"\x07" * size, delegation={}, weight_sharing=False, soc=Soc.SM8650)
+program = LoweredProgram(program=b"\x07" * size, delegation={}, weight_sharing=False, soc=Soc.SM8650)
 writer.write_variant(variant, program, contract, config)
 print("written")
 """

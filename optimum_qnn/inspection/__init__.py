@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,7 +135,7 @@ def _context(delegates: list[QnnDelegate], info: BinaryInfo) -> ContextReport:
     )
 
 
-def inspect_bytes(data: bytes, where: str = ".pte") -> PteReport:
+def inspect_bytes(data: bytes | mmap.mmap, where: str = ".pte") -> PteReport:
     """`inspect_pte` of a serialized program already in memory (the exporter's lowered buffer)."""
     by_key: dict[str, list[QnnDelegate]] = {}
     for delegate in qnn_delegates(data, where):
@@ -154,7 +156,9 @@ def inspect_pte(path: str | Path) -> PteReport:
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            # Mapped, not read: a Gemma-4-E2B program is 3 GB, and only its contexts (a third) are looked at.
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
     except OSError as e:
         raise QnnInspectError(f"Cannot read {path}: {e.strerror or e}") from None
     return inspect_bytes(data, str(path))
@@ -262,16 +266,16 @@ def manifest_inspection(report: PteReport, check: SharingCheck | None = None) ->
     return Inspection(contexts, check)
 
 
-def export_time_inspection(buffer: bytes, lower_unshared: Callable[[], bytes] | None = None) -> Inspection | None:
+def export_time_inspection(program: bytes | Path, lower_unshared: Callable[[], bytes] | None = None) -> Inspection | None:
     """The manifest's `inspection` of a freshly lowered program.
 
     Args:
-        buffer: the lowered `.pte` bytes.
+        program: the lowered `.pte` bytes, or the file they were written to.
         lower_unshared: when given (and the program shares weights), lowers the same graphs without weight sharing
             and returns its bytes; both builds are then compared (`compare_builds`) and the result recorded.
     """
     try:
-        report = inspect_bytes(buffer, "the lowered program")
+        report = inspect_pte(program) if isinstance(program, Path) else inspect_bytes(program, "the lowered program")
     except QnnInspectError as e:
         if lower_unshared is not None:
             raise

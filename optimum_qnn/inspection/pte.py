@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 from optimum_qnn.inspection.qnn_system import QnnInspectError
 
@@ -105,18 +104,19 @@ class QnnDelegate:
         index: the delegate's position among the method's delegates (the shard, for sharded exports).
         key: where its bytes live (`segment:3` or `inline:0`): methods whose graphs share a context point at
             the same bytes.
-        binary: the QNN context binary (the protocol header stripped).
+        binary: the QNN context binary (the protocol header stripped); a view into the program's bytes for a
+            segment, so reading a program does not copy its contexts.
         options: its compile options, or None when the spec is missing.
     """
 
     method: str
     index: int
     key: str
-    binary: bytes
+    binary: bytes | memoryview
     options: CompileOptions | None
 
 
-def strip_context_header(payload: bytes) -> bytes:
+def strip_context_header(payload: bytes | memoryview) -> bytes | memoryview:
     """The QNN context binary inside a QNN delegate's processed bytes.
 
     Raises:
@@ -132,7 +132,7 @@ def strip_context_header(payload: bytes) -> bytes:
         )
     for alignment in _CONTEXT_ALIGNMENTS:
         start = -(-_CONTEXT_HEADER.size // alignment) * alignment
-        if start + size <= len(payload) and not payload[_CONTEXT_HEADER.size:start].strip(b"\0"):
+        if start + size <= len(payload) and not bytes(payload[_CONTEXT_HEADER.size:start]).strip(b"\0"):
             return payload[start:start + size]
     raise QnnInspectError(f"QNN delegate payload says {size} bytes of context binary but holds {len(payload)}")
 
@@ -184,7 +184,8 @@ def _delegates(data: bytes) -> list[QnnDelegate]:
                 start = segment_base + offset
                 if start + size > len(data):
                     raise QnnInspectError(f"segment {ref_index} of method {method} runs past the end of the file")
-                payload, key = data[start:start + size], f"segment:{ref_index}"
+                # A view, not a copy: the program may be a mapped file of several GB.
+                payload, key = memoryview(data)[start:start + size], f"segment:{ref_index}"
             else:
                 payload, key = inline[ref_index].blob(0) or b"", f"inline:{ref_index}"
             options = None
@@ -193,12 +194,3 @@ def _delegates(data: bytes) -> list[QnnDelegate]:
                     options = compile_options(spec.blob(1) or b"")
             found.append(QnnDelegate(method, index, key, strip_context_header(payload), options))
     return found
-
-
-def read_pte(path: Path) -> list[QnnDelegate]:
-    """`qnn_delegates` of a `.pte` file."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise QnnInspectError(f"Cannot read {path}: {e.strerror or e}") from None
-    return qnn_delegates(data, str(path))

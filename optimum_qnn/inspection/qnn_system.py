@@ -366,13 +366,13 @@ class QnnSystem:
             cls._instance = cls(sdk.lib_dir / system)
         return cls._instance
 
-    def binary_info(self, binary: bytes) -> BinaryInfo:
+    def binary_info(self, binary: bytes | memoryview) -> BinaryInfo:
         """Parse one context binary (the bytes QNN's `contextGetBinary` wrote)."""
         fns = self._functions
         handle = c_void_p()
         if fns.systemContextCreate(ctypes.byref(handle)) != 0:
             raise QnnInspectError("QnnSystemContext_create failed")
-        buffer = ctypes.create_string_buffer(binary, len(binary))
+        buffer = (ctypes.c_char * len(binary)).from_buffer_copy(binary)
         info_ptr = POINTER(_BinaryInfo)()
         size = c_uint64()
         try:
