@@ -52,21 +52,23 @@ GB_BYTES = 2**30
 # The fit described in the module docstring (GB; coefficients in GB per GB of stored weights).
 _BASE = 0.46  # demo Gemma4, load stage: 473 MiB
 _LOWER_BASE = 0.98  # demo Gemma4 16a8w, lower stage: 1001 MiB
-# stage: (per GB of token table, per GB of the rest), both at the stored dtype; least squares over the four E2B rows
-# (the write stage over the three that lowered one layer per shard, see `estimate`)
+# stage: (per GB of token table, per GB of the rest), both at the stored dtype; least squares over the E2B rows of
+# benchmarks/memory_rows.json (benchmarks/memory_fit.py)
 _STAGE_FIT = {
-    "load": (0.0, 0.0),  # the checkpoint is mapped, not read: the base process (least squares gave -0.009 per GB)
-    "swap": (0.901, 0.210),
-    "export": (0.536, 0.219),
-    "calibrate": (3.959, 0.793),
-    "quantize": (6.486, 1.091),
-    "write": (5.708, 0.320),
+    "load": (0.0, 0.0),  # the checkpoint is mapped, not read: the base process
+    "swap": (0.682, 0.170),
+    "export": (0.405, 0.164),
+    "calibrate": (3.830, 0.743),
+    "quantize": (5.382, 0.599),
+    "lower": (0.0, 0.0),  # computed below from `_LOWER_RESIDENT` and `_SHARD_BYTES_PER_PARAM`
+    "inspect": (2.381, 0.995),
+    "write": (2.029, 0.816),
 }
 # The lowering: resident state (quantized weights, CPU tables, the context binaries compiled so far) per GB of stored
-# weights, plus the compilers' working set per parameter of the largest shard. Fitted to the E2B lower stages (5.99,
-# 7.15, 16.73 GB at 2, 7 layers in one shard per layer, 35 layers in 4 shards) above `_LOWER_BASE`.
-_LOWER_RESIDENT = 0.752
-_SHARD_BYTES_PER_PARAM = 10.078
+# weights, plus the compilers' working set per parameter of the largest shard; fitted the same way above
+# `_LOWER_BASE`.
+_LOWER_RESIDENT = 0.570
+_SHARD_BYTES_PER_PARAM = 10.657
 # The measured rows quantized HTP weights to 4 bits and the embedding tables to 4 bits, symmetric, groups of 32.
 _MEASURED_WEIGHT_BITS = 4
 _MEASURED_TABLE_BYTES = 4 / 8 + 2 / 32  # 4-bit symmetric in groups of 32, an fp16 scale per group
@@ -169,23 +171,23 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     tables = config.embedding_quant or (EmbeddingQuant(4, 32) if quantized else EmbeddingQuant(0, 0))
     table_extra = counts.tables * max(0.0, _table_bytes_per_param(tables) - _MEASURED_TABLE_BYTES) / GB_BYTES
     float_model = counts.total * 4 / GB_BYTES if evaluate else 0.0  # the float32 Hugging Face model kept for --evaluate
+    starts = shard_starts(len(counts.layers), shards)
+    shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
     stages = {}
     for name, (a, b) in _STAGE_FIT.items():
         if not quantized and name in ("calibrate", "quantize"):
             continue
         held = 0.0 if name == "load" else table_extra + float_model  # the load holds the stored tables, as measured
-        if name in ("quantize", "write"):
+        if name in ("quantize", "lower", "inspect", "write"):
             held += counts.htp * weight_extra / GB_BYTES
+        if name == "lower":
+            stages[name] = _LOWER_BASE + _LOWER_RESIDENT * (table + rest) + shard + held
+            continue
         stages[name] = _BASE + a * table + b * rest + held
-    starts = shard_starts(len(counts.layers), shards)
-    shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
-    # After the lowering, what the compiler took for a shard larger than one layer is still held (measured on an
-    # earlier pipeline, 7 layers in one shard: write 6.84 GB against 5.31 in seven); the write fit is of one-layer
-    # shards.
-    one_layer = counts.largest_shard(tuple(range(1, len(counts.layers)))) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
-    stages["write"] += shard - one_layer
-    stages["lower"] = (_LOWER_BASE + _LOWER_RESIDENT * (table + rest) + counts.htp * weight_extra / GB_BYTES + table_extra
-                       + float_model + shard)
+        if shards == 1 and name in ("inspect", "write"):
+            # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
+            # an earlier pipeline: 7 layers in one shard wrote at 6.84 GB, in seven at 5.31).
+            stages[name] += shard
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
 
 
