@@ -283,8 +283,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="*", default=SCHEMES)
     parser.add_argument("--depths", nargs="*", type=int, default=list(DEPTHS), choices=list(DEPTHS))
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
-                        help="measure only these; the others are read from benchmarks/rows.json (a previous run)")
+    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=SECTIONS,
+                        help="measure only these; the others are read from benchmarks/rows.json (a previous run); "
+                             "none: write RESULTS.md again from the stored rows (and benchmarks/e2b_full.json)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per run")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--child", help=argparse.SUPPRESS)

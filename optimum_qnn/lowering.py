@@ -51,8 +51,6 @@ QNN_BACKEND_ID = "QnnBackend"
 # A method is an exported program or a module with its positional example inputs.
 MethodSource: TypeAlias = Union[torch.export.ExportedProgram, tuple[torch.nn.Module, tuple[Any, ...]]]
 
-# Every HTP context binary records the target it was compiled for, e.g. `soc_type=SM8650;arch=75;...`.
-_TARGET_RE = re.compile(rb"soc_type=(\w+);arch=(\d+)")
 _OP_NAME_RE = re.compile(r"\w+\.\w+\.\w+")
 # The static model's decoder layers are `layers.N` (optimum_qnn.models.gemma4.modules).
 _LAYER_PATTERN = r"layers\.(\d+)"
@@ -549,39 +547,3 @@ def format_delegation(summary: Mapping[str, MethodDelegation]) -> str:
         rows.append((d.method, str(d.partitions), str(d.delegated), str(d.cpu_ops), cpu))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
-@dataclass(frozen=True)
-class QnnDelegate:
-    """One QNN delegate call of a .pte, with its HTP context binary.
-
-    Args:
-        method: the method that calls it.
-        index: its position among the method's delegates (execution order).
-        context: the context binary, stripped of ExecuTorch's wrapper.
-        targets: the (SoC, HTP arch) records found in the context binary, e.g. {("SM8650", 75)}.
-    """
-
-    method: str
-    index: int
-    context: bytes
-    targets: frozenset[tuple[str, int]]
-
-
-def read_qnn_delegates(pte: bytes) -> list[QnnDelegate]:
-    """The QNN delegates of a serialized program, for checks and the artifact manifest."""
-    ensure_qnn_sdk()
-    from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
-    program = deserialize_pte_binary(pte).program
-    delegates = []
-    for plan in program.execution_plan:
-        for index, delegate in enumerate(plan.delegates):
-            if delegate.id != QNN_BACKEND_ID:
-                continue
-            payload = program.backend_delegate_data[delegate.processed.index].data
-            context = bytes(PyQnnManagerAdaptor.StripProtocol(payload)) or payload
-            targets = frozenset((soc.decode(), int(arch)) for soc, arch in _TARGET_RE.findall(context))
-            delegates.append(QnnDelegate(plan.name, index, context, targets))
-    return delegates

@@ -188,14 +188,14 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
 
 def test_one_export_per_soc(random_kv_export):
     """--soc with several SoCs: loaded and exported once, lowered per SoC; each binary names its SoC."""
-    from optimum_qnn.lowering import read_qnn_delegates
+    from optimum_qnn.inspection.pte import qnn_delegates
 
     result = random_kv_export
     socs = tuple(Soc.parse(s) for s in RANDOM_SOCS)
     assert [s.name for s in result.stages].count("load") == 1
     assert len(result.variants) == 3
     for soc, variant in zip(socs, result.variants):
-        delegates = read_qnn_delegates((variant / "model.pte").read_bytes())
+        delegates = qnn_delegates((variant / "model.pte").read_bytes())
         assert delegates and all(t[0] == soc.value and t[1] == soc.htp_arch for d in delegates for t in d.targets), soc
 
 

@@ -16,12 +16,8 @@ from torch import nn
 import pytest
 
 from optimum_qnn.config import Soc
-from optimum_qnn.lowering import (
-    compile_specs,
-    format_delegation,
-    lower_to_pte,
-    read_qnn_delegates,
-)
+from optimum_qnn.inspection.pte import qnn_delegates
+from optimum_qnn.lowering import compile_specs, format_delegation, lower_to_pte
 
 FP16_MAX_ABS = 5e-3
 FP16_MIN_COSINE = 0.99999
@@ -151,10 +147,10 @@ def test_linear_is_fully_delegated(linear_pte):
 
 def test_linear_delegate_is_an_htp_context_binary_for_sm8650(linear_pte):
     lowered, _ = linear_pte
-    (delegate,) = read_qnn_delegates(lowered.buffer)
+    (delegate,) = qnn_delegates(lowered.buffer)
     assert delegate.method == "forward"
     assert delegate.targets == {("SM8650", 75)}
-    assert b"v2.49.40" in delegate.context  # the QAIRT build that compiled it
+    assert b"v2.49.40" in bytes(delegate.binary)  # the QAIRT build that compiled it
 
 
 def test_linear_runs_on_the_emulator(linear_pte, linear):
@@ -169,7 +165,7 @@ def test_linear_runs_on_the_emulator(linear_pte, linear):
 def test_linear_compiles_for_soc(qnn_sdk, linear, soc):
     module, inputs = linear
     lowered = lower_to_pte({"forward": (module, inputs)}, soc, fp16=True)
-    (delegate,) = read_qnn_delegates(lowered.buffer)
+    (delegate,) = qnn_delegates(lowered.buffer)
     assert delegate.targets == {(soc.value, soc.htp_arch)}
 
 
@@ -251,9 +247,9 @@ def test_hybrid_both_methods_fully_delegated(hybrid_pte):
 
 def test_hybrid_methods_share_one_context_binary_stored_once(hybrid_pte):
     lowered, _ = hybrid_pte
-    delegates = read_qnn_delegates(lowered.buffer)
+    delegates = qnn_delegates(lowered.buffer)
     assert sorted(d.method for d in delegates) == ["kv_forward", "prefill_forward"]
-    first, second = (d.context for d in delegates)
+    first, second = (d.binary for d in delegates)
     assert first == second  # one context holding both graphs ...
     assert b"prefill_forward" in first and b"kv_forward" in first
     assert len(lowered.buffer) < 2 * len(first)  # ... serialized once
@@ -274,8 +270,8 @@ def test_weight_sharing_stores_the_weights_once(hybrid_pte, hybrid_shared_pte, a
     shared, _ = hybrid_shared_pte
     separate, _ = hybrid_pte
     assert shared.weight_sharing and not separate.weight_sharing
-    shared_ctx = read_qnn_delegates(shared.buffer)[0].context
-    separate_ctx = read_qnn_delegates(separate.buffer)[0].context
+    shared_ctx = qnn_delegates(shared.buffer)[0].binary
+    separate_ctx = qnn_delegates(separate.buffer)[0].binary
     weight_bytes = 2 * sum(p.numel() for p in attention.parameters())  # fp16
     # Without sharing the context carries a second copy of the weights.
     assert len(separate_ctx) - len(shared_ctx) >= 0.9 * weight_bytes

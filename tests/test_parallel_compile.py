@@ -292,13 +292,13 @@ def test_parallel_program_computes_what_the_sequential_one_does(sequential_and_p
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (the CPU kernel of llama::fallback)
     from executorch.runtime import Runtime
 
-    from optimum_qnn.lowering import read_qnn_delegates
+    from optimum_qnn.inspection.pte import qnn_delegates
 
     (sequential, _), (parallel, _) = sequential_and_parallel
     assert parallel.delegation == sequential.delegation and parallel.shards == 3
     assert len(parallel.buffer) == len(sequential.buffer)
-    seq_delegates, par_delegates = read_qnn_delegates(sequential.buffer), read_qnn_delegates(parallel.buffer)
-    assert [len(d.context) for d in par_delegates] == [len(d.context) for d in seq_delegates]
+    seq_delegates, par_delegates = qnn_delegates(sequential.buffer), qnn_delegates(parallel.buffer)
+    assert [len(d.binary) for d in par_delegates] == [len(d.binary) for d in seq_delegates]
     _, inputs = stack_and_inputs()
     outputs = {}
     for lowered in (sequential, parallel):
@@ -318,7 +318,7 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
     itself from the same QNN state; every context binary in the .pte (the workers') equals the parent's."""
     from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
 
-    from optimum_qnn.lowering import read_qnn_delegates
+    from optimum_qnn.inspection.pte import qnn_delegates
 
     in_parent: dict[int, bytes] = {}
     fork_and_compile = _WorkerPool.start
@@ -328,8 +328,8 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
         in_parent[shard] = bytes(PyQnnManagerAdaptor.StripProtocol(bytes(compile_fn())))
 
     monkeypatch.setattr(_WorkerPool, "start", start)
-    delegates = read_qnn_delegates(lower_stack(workers=2).buffer)
+    delegates = qnn_delegates(lower_stack(workers=2).buffer)
     assert sorted(in_parent) == [0, 1, 2] and len(delegates) == 6  # 3 shards x 2 methods sharing each context
     for delegate in delegates:
-        assert delegate.context == in_parent[delegate.index], (delegate.method, delegate.index)
-    assert len({d.context for d in delegates}) == 3
+        assert delegate.binary == in_parent[delegate.index], (delegate.method, delegate.index)
+    assert len({d.binary for d in delegates}) == 3

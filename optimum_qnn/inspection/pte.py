@@ -14,10 +14,14 @@ stays light.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
 from optimum_qnn.inspection.qnn_system import QnnInspectError
+
+# Every HTP context binary records the target it was compiled for, e.g. `soc_type=SM8650;arch=75;...`.
+_TARGET_RE = re.compile(rb"soc_type=(\w+);arch=(\d+)")
 
 QNN_BACKEND_ID = "QnnBackend"
 QNN_COMPILE_SPEC_KEY = "qnn_compile_spec"
@@ -114,6 +118,11 @@ class QnnDelegate:
     key: str
     binary: bytes | memoryview
     options: CompileOptions | None
+
+    @property
+    def targets(self) -> frozenset[tuple[str, int]]:
+        """The (SoC, HTP arch) records the context binary holds, e.g. {("SM8650", 75)}."""
+        return frozenset((soc.decode(), int(arch)) for soc, arch in _TARGET_RE.findall(self.binary))
 
 
 def strip_context_header(payload: bytes | memoryview) -> bytes | memoryview:
