@@ -204,6 +204,8 @@ def section() -> str:
     runs = stored["runs"]
     names = [name for name, _, _ in next(iter(runs.values()))["stages"]]
     def label(key: str, run: dict) -> str:
+        if "label" in run:
+            return run["label"]
         shards, _, limit = key.partition("@")
         where = f" in a {limit} memory cgroup" if limit else ""
         if shards.isdigit():

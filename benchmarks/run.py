@@ -237,7 +237,9 @@ def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
         notes.append(
             f"Extrapolated full Gemma-4-E2B export ({E2B_SCHEME}, hybrid, weights shared, "
             f"{e2b_width.E2B_LAYERS // E2B_LAYERS_PER_SHARD} shards): about {total / 60:.0f} min and "
-            f"{peak:.1f} GB peak RSS. This is an extrapolation, not a measurement."
+            f"{peak:.1f} GB peak RSS. This is an extrapolation, not a measurement. The rows of this table were "
+            "measured on an earlier pipeline (before the bf16 weights kept in the checkpoint's pages, the parallel shard "
+            "compiles and the streamed program); the full-size measurements below supersede the extrapolation."
         )
     return markdown(header, rows), notes
 
