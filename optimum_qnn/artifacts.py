@@ -222,6 +222,7 @@ class VariantWriter:
                     kv_io_bits=contract.kv_io_bits,
                     recipe=[QuantRecipeRow(r.module, r.op, r.activation, r.weight, r.count) for r in quant_rows or []],
                     named_recipe=config.recipe, weight_ranges=config.weight_ranges.value,
+                    weight_rounding=config.weight_rounding.value,
                     mixed_precision=mixed_precision_section(mixed_plan),
                 ),
                 contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards),

@@ -25,6 +25,7 @@ from optimum_qnn.config import (
     SizeBudget,
     Soc,
     WeightRanges,
+    WeightRounding,
     recipe_fields,
 )
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
@@ -52,7 +53,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument(
         "--quant", default=_DEFAULTS.quant.value, metavar="SCHEME",
         help=f"quantization of the HTP graph: {', '.join(q.value for q in QuantScheme)}, or a recipe: "
-             f"{', '.join(RECIPES)} (16a4w_e2b: the phone default for Gemma-4-E2B; default: %(default)s)",
+             f"{', '.join(RECIPES)} (16a4w_e2b: 4-bit with an 8-bit sensitivity plan; its plan does not fit Gemma-4-E2B yet; default: %(default)s)",
     )
     opt.add_argument(
         "--size-budget", default=None, metavar="SHARE%|GB",
@@ -64,6 +65,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight-ranges", default=None, choices=[w.value for w in WeightRanges],
         help="4-bit weight scales: min-max, or clipped per channel by output error on the calibration text "
              "(default: minmax; output-mse in the 16a4w_e2b recipe)",
+    )
+    opt.add_argument(
+        "--weight-rounding", default=None, choices=[w.value for w in WeightRounding],
+        help="4-bit weights: round each to the nearest level, or by GPTQ (column by column, errors compensated on "
+             "the calibration activations) (default: nearest)",
     )
     opt.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, choices=BLOCK_SIZES, help="block size of 16a4w_block (default: %(default)s)")
     opt.add_argument(
@@ -121,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         fields["size_budget"] = SizeBudget.parse(args.size_budget)
     if args.weight_ranges is not None:
         fields["weight_ranges"] = WeightRanges.parse(args.weight_ranges)
+    if args.weight_rounding is not None:
+        fields["weight_rounding"] = WeightRounding.parse(args.weight_rounding)
     return ExportConfig(
         **{**fields, "block_size": args.block_size},
         socs=tuple(dict.fromkeys(Soc.parse(s) for s in args.soc)),

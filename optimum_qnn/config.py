@@ -111,6 +111,22 @@ class WeightRanges(enum.Enum):
         return _parse_enum(cls, value, "weight range method")
 
 
+class WeightRounding(enum.Enum):
+    """How 4-bit weights are rounded onto their scales.
+
+    `nearest`: each weight to its nearest level. `gptq`: column by column, each column's rounding error pushed onto
+    the columns not yet rounded so the errors cancel in the layer's output on the calibration activations
+    (optimum_qnn.gptq). The scales are the same either way.
+    """
+
+    NEAREST = "nearest"
+    GPTQ = "gptq"
+
+    @classmethod
+    def parse(cls, value: object) -> "WeightRounding":
+        return _parse_enum(cls, value, "weight rounding method")
+
+
 _GB = 2**30
 
 
@@ -322,6 +338,7 @@ class ExportConfig:
     # text) at 8 bits within this budget (optimum_qnn.mixed_precision). None: every linear at the scheme's width.
     size_budget: SizeBudget | None = None
     weight_ranges: WeightRanges = WeightRanges.MINMAX
+    weight_rounding: WeightRounding = WeightRounding.NEAREST
     # The named recipe these settings came from (`RECIPES`), which names the variant; None: named by the scheme.
     recipe: str | None = None
 
@@ -372,6 +389,10 @@ class ExportConfig:
             raise InvalidInputError(f"ExportConfig.weight_ranges must be a WeightRanges (WeightRanges.parse('output-mse')); got {self.weight_ranges!r}")
         if self.weight_ranges is not WeightRanges.MINMAX and self.quant.weight_bits != 4:
             raise InvalidInputError(f"--weight-ranges {self.weight_ranges.value} chooses 4-bit weight scales; it needs a 4-bit --quant, not {self.quant.value}")
+        if not isinstance(self.weight_rounding, WeightRounding):
+            raise InvalidInputError(f"ExportConfig.weight_rounding must be a WeightRounding (WeightRounding.parse('gptq')); got {self.weight_rounding!r}")
+        if self.weight_rounding is not WeightRounding.NEAREST and self.quant.weight_bits != 4:
+            raise InvalidInputError(f"--weight-rounding {self.weight_rounding.value} rounds 4-bit weights; it needs a 4-bit --quant, not {self.quant.value}")
         if self.recipe is not None and self.recipe not in RECIPES:
             raise InvalidInputError(f"Unknown recipe {self.recipe!r}; expected one of: {', '.join(RECIPES)}")
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
@@ -409,8 +430,9 @@ def _compile_override(pattern: object) -> re.Pattern:
 
 
 # Named recipes: a scheme plus the options that measured best together (benchmarks/QUANT_NOTES.md). `16a4w_e2b` is the
-# phone default for Gemma-4-E2B: 4-bit LPBQ weights (block 64), output-MSE weight ranges, and the most
-# logit-sensitive quarter of the linear weights at 8 bits.
+# 4-bit phone recipe: 4-bit LPBQ weights (block 64), output-MSE weight ranges, and the most logit-sensitive quarter of
+# the linear weights at 8 bits. Measured on the demo and benchmark Gemma4s; at Gemma-4-E2B's size its plan does not
+# fit yet (the memory estimate refuses it, QUANT_NOTES.md section 9). GPTQ rounding measured worse on held-out text.
 RECIPES: dict[str, dict[str, object]] = {
     "16a4w_e2b": dict(
         quant=QuantScheme.A16W4_BLOCK, block_size=64, size_budget=SizeBudget(share=0.25),

@@ -313,7 +313,8 @@ def _plan_section(path: str, quantization) -> str:
     lines = [
         f"## Mixed precision of `{path}`",
         "",
-        f"Recipe `{quantization.named_recipe or quantization.scheme}`, weight ranges `{quantization.weight_ranges}`. "
+        f"Recipe `{quantization.named_recipe or quantization.scheme}`, weight ranges `{quantization.weight_ranges}`, "
+        f"rounding `{quantization.weight_rounding}`. "
         f"Within the size budget {plan.size_budget}, {len(kept)} of {len(plan.linears)} linears "
         f"({plan.kept_share:.1%} of their weights) stay at {plan.kept_scheme}: those whose 4-bit rounding alone cost "
         "the logits most per parameter on the calibration text.",

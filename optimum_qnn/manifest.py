@@ -23,8 +23,9 @@ from typing import Any, Union
 
 from optimum_qnn.errors import OptimumQnnError
 
-# 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified).
-SCHEMA_VERSION = "1.1"
+# 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified). 1.2 added
+# `quantization.weight_rounding` (absent: "nearest").
+SCHEMA_VERSION = "1.2"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -100,6 +101,7 @@ class Quantization:
     recipe: list[QuantRecipeRow]
     named_recipe: str | None = None  # e.g. "16a4w_e2b" (optimum_qnn.config.RECIPES)
     weight_ranges: str = "minmax"
+    weight_rounding: str = "nearest"
     mixed_precision: MixedPrecision | None = None
 
 

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from optimum_qnn.calibration import token_sequences
-from optimum_qnn.config import ExportConfig, QuantScheme, WeightRanges
+from optimum_qnn.config import ExportConfig, QuantScheme, WeightRanges, WeightRounding
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
 from optimum_qnn.runner import KVSession
 
@@ -74,7 +74,9 @@ def quantize_static(
 
     With `config.size_budget`, the linears whose 4-bit rounding most changes the logits are kept at 8 bits
     (`mixed_precision`); with `config.weight_ranges` = output-mse, the 4-bit weight scales are clipped per channel
-    by output error (`weight_search`). Both are measured on the eager float module before PT2E.
+    by output error (`weight_search`); with `config.weight_rounding` = gptq, the 4-bit weights are rounded by GPTQ
+    on those scales (`gptq`). All are measured on the eager float module before PT2E (GPTQ's rounding itself runs
+    on the calibrated graphs).
 
     Returns:
         (method name -> converted graph, the quantization summary rows, the MixedPlan or None).
@@ -86,10 +88,11 @@ def quantize_static(
     contract = static.contract
     calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
     seqs = calibration_sequences(static, tokenizer, texts, calibrate_on)
-    mixed_plan, clips = None, {}
-    if config.size_budget is not None or config.weight_ranges is not WeightRanges.MINMAX:
+    mixed_plan, clips, hessians = None, {}, {}
+    if (config.size_budget is not None or config.weight_ranges is not WeightRanges.MINMAX
+            or config.weight_rounding is not WeightRounding.NEAREST):
         with stage("plan"):
-            mixed_plan, clips = _plan_weights(static, config, seqs, calibrate_on)
+            mixed_plan, clips, hessians = _plan_weights(static, config, seqs, calibrate_on)
     overrides = dict(config.overrides)
     if mixed_plan is not None:
         overrides.update((p, s) for p, s in mixed_plan.overrides() if p not in overrides)  # the user's win
@@ -110,12 +113,21 @@ def quantize_static(
         def tie(name: str, prepared) -> None:
             logger.debug("%s: %d new K/V outputs tied to their cache's observer", name, tie_cache_observers(prepared, contract.method(name)))
 
-    graphs = quantize_shared(programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=stage, tie=tie)
+    adjust = None
+    if config.weight_rounding is WeightRounding.GPTQ:
+        from optimum_qnn.gptq import apply_gptq
+
+        def adjust(prepared) -> None:
+            apply_gptq(prepared, calibrate_on, hessians)
+            hessians.clear()  # GB at real widths: not held through convert
+
+    graphs = quantize_shared(programs, calibrate, quantizer, calibrate_on=calibrate_on, stage=stage, tie=tie, adjust=adjust)
     return graphs, quant_summary(graphs[calibrate_on]), mixed_plan
 
 
 def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate_on: str):
-    """The mixed-precision plan (None without a size budget) and per-linear 4-bit clip factors ({} for min-max)."""
+    """The mixed-precision plan (None without a size budget), per-linear 4-bit clip factors ({} for min-max) and the
+    input Hessians of the 4-bit linears ({} when neither the clips nor GPTQ need them)."""
     from optimum_qnn import mixed_precision, weight_search
 
     scheme_block = config.block_size if config.quant is QuantScheme.A16W4_BLOCK else None
@@ -131,13 +143,14 @@ def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate
         )
         plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget)
         logger.info("%s", plan.table())
-    clips = {}
-    if config.weight_ranges is WeightRanges.OUTPUT_MSE:
+    clips, hessians = {}, {}
+    if config.weight_ranges is WeightRanges.OUTPUT_MSE or config.weight_rounding is WeightRounding.GPTQ:
         kept = set(plan.kept) if plan is not None else set()
         searched = {n: m for n, m in linears.items() if n not in kept}
         hessians = weight_search.input_hessians(searched, lambda: _feed(session, calibrate_on, seqs))
+    if config.weight_ranges is WeightRanges.OUTPUT_MSE:
         clips = {
             n: weight_search.output_mse_clips(m, hessians[n], weight_search.block_of(m, scheme_block))
             for n, m in searched.items()
         }
-    return plan, clips
+    return plan, clips, hessians

@@ -457,6 +457,7 @@ def quantize_shared(
     calibrate_on: str,
     stage: Callable[[str], ContextManager] = contextlib.nullcontext,
     tie: Callable[[str, torch.fx.GraphModule], None] | None = None,
+    adjust: Callable[[Mapping[str, torch.fx.GraphModule]], None] | None = None,
 ) -> dict[str, torch.fx.GraphModule]:
     """Quantize several graphs of one module (hybrid prefill + decode) with identical quantization parameters.
 
@@ -479,6 +480,9 @@ def quantize_shared(
             "quantize" (convert to Q/DQ), e.g. to time them.
         tie: ``tie(name, prepared)`` may rewire a prepared graph's observers before calibration (the same way in
             every graph, so their observers still pair up), e.g. `quant_io.tie_cache_observers`.
+        adjust: ``adjust(prepared)`` runs once every graph's observers hold the calibrated statistics, before
+            convert, with all prepared graphs by method name (e.g. `gptq.apply_gptq`, which rewrites weights in
+            all of them alike).
 
     Returns:
         Method name -> converted graph module, in the order of `programs`.
@@ -500,6 +504,8 @@ def quantize_shared(
             if name != calibrate_on:
                 count = copy_observer_state(prepared[calibrate_on], graph)
                 logger.info("Copied %d observers from %s to %s", count, calibrate_on, name)
+        if adjust is not None:
+            adjust(prepared)
     with stage("quantize"):
         converted: dict[str, torch.fx.GraphModule] = {}
         memo: dict = {}  # each weight quantized once for all graphs
