@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, shard_starts
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, WeightRanges, WeightRounding, shard_starts
 from optimum_qnn.errors import InvalidInputError
 
 GB_BYTES = 2**30
@@ -90,6 +90,9 @@ class ParameterCounts:
     layers: tuple[int, ...]  # per decoder layer
     other: int  # norms, the per-layer input projection, an untied lm_head
     stored_bytes: int  # bytes per parameter in the checkpoint (bf16: 2)
+    # Sum over the HTP linears of in_features squared: the elements of their input Hessians (`X^T X`), which
+    # output-MSE weight ranges and GPTQ rounding gather for every 4-bit linear at once (float64).
+    hessian_elements: int = 0
 
     @classmethod
     def from_config(cls, text_config) -> "ParameterCounts":
@@ -99,6 +102,7 @@ class ParameterCounts:
         with torch.device("meta"):
             model = Gemma4ForCausalLM(text_config)
         token = per_layer = other = 0
+        hessian = sum(mod.in_features**2 for mod in model.modules() if isinstance(mod, torch.nn.Linear))
         layers = [0] * text_config.num_hidden_layers
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -114,7 +118,7 @@ class ParameterCounts:
             else:
                 other += p.numel()
         dtype = str(getattr(text_config, "dtype", None) or "bfloat16").removeprefix("torch.")
-        return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2))
+        return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2), hessian)
 
     def as_dict(self) -> dict[str, int]:
         return {"token_table": self.token_table, "per_layer_table": self.per_layer_table, "layers": sum(self.layers),
@@ -191,7 +195,21 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
             # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
             # an earlier pipeline: 7 layers in one shard wrote at 6.84 GB, in seven at 5.31).
             stages[name] += shard
+    if _needs_hessians(config):
+        # Before calibration, on the float module: the calibrate stage's working set is an upper bound of the
+        # forward passes; the Hessians are held until the 4-bit weights are rounded.
+        stages = {"plan": stages["calibrate"] + hessian_gib(counts), **stages}
+        stages["calibrate"] += hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
+
+
+def _needs_hessians(config: ExportConfig) -> bool:
+    return config.weight_ranges is not WeightRanges.MINMAX or config.weight_rounding is not WeightRounding.NEAREST
+
+
+def hessian_gib(counts: ParameterCounts) -> float:
+    """GB of the float64 input Hessians that output-MSE ranges and GPTQ rounding hold (every linear's, at most)."""
+    return counts.hessian_elements * 8 / GB_BYTES
 
 
 @dataclass(frozen=True)
@@ -333,6 +351,12 @@ def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, ev
                              dataclasses.replace(config, embedding_quant=EmbeddingQuant(4, 0)), evaluate))
     if evaluate:
         alternatives.append(("dropping --evaluate (it keeps the float32 model resident)", config, False))
+    if _needs_hessians(config):
+        alternatives.append((
+            f"--weight-ranges minmax --weight-rounding nearest (output-MSE ranges and GPTQ hold every linear's input "
+            f"Hessian, {hessian_gib(counts):.1f} GB at this model's widths; a --size-budget plan alone needs none)",
+            dataclasses.replace(config, weight_ranges=WeightRanges.MINMAX, weight_rounding=WeightRounding.NEAREST),
+            evaluate))
     for flag, variant, evaluates in alternatives:
         peak = estimate(counts, variant, shards, evaluate=evaluates).peak
         if peak < est.peak - 0.05:

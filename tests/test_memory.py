@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, SizeBudget, WeightRounding, recipe_fields
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.memory import (
     FIT_ERROR_GB,
@@ -263,3 +263,21 @@ def test_export_prints_its_choice_before_loading(random_model_dir, tmp_path, mon
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Memory:")]
     peak = estimate(ParameterCounts.from_config(read_text_config(random_model_dir)), config, 1).peak
     assert line.startswith(f"Memory: 1 shard(s) chosen for budget 8.0 GB (--max-memory); estimated peak {peak:.1f} GB")
+
+
+def test_output_mse_ranges_and_gptq_count_their_hessians(e2b):
+    """Both gather every 4-bit linear's float64 input Hessian before calibration: 31.5 GB at E2B's widths (the
+    double-wide down projections alone, 12288 inputs, are 1.1 GB each), so the recipe is refused there up front."""
+    assert e2b.hessian_elements * 8 / 2**30 == pytest.approx(31.5, abs=0.05)
+    plain = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK), 7)
+    recipe = estimate(e2b, ExportConfig(**recipe_fields("16a4w_e2b")), 7)
+    assert "plan" not in plain.stages and recipe.peak_stage == "plan"
+    assert recipe.stages["plan"] == pytest.approx(plain.stages["calibrate"] + 31.5, abs=0.06)
+    gptq = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK, weight_rounding=WeightRounding.GPTQ), 7)
+    assert gptq.stages["calibrate"] == pytest.approx(gptq.stages["plan"], abs=0.01)  # held until the rounding
+    with pytest.raises(InvalidInputError) as info:
+        choose_memory_plan(e2b, ExportConfig(**recipe_fields("16a4w_e2b"), max_memory=16))
+    message = str(info.value)
+    assert "(plan stage" in message and "input Hessian, 31.5 GB" in message
+    fallback = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK, size_budget=SizeBudget(share=0.25)), 35)
+    assert f"estimated peak {fallback.peak:.1f} GB" in message
