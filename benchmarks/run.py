@@ -33,6 +33,7 @@ import e2b_width  # noqa: E402
 import io_bytes  # noqa: E402
 import peer  # noqa: E402
 import tiny_gemma4  # noqa: E402
+import weight_stats  # noqa: E402
 
 # 16a4w_e2b is a recipe (optimum_qnn.config.RECIPES): 16a4w_block plus output-MSE ranges and a 25% 8-bit plan.
 SCHEMES = ["fp16", "16a16w", "16a8w", "16a4w", "16a4w_block", "16a4w_e2b", "8a8w"]
@@ -45,11 +46,15 @@ E2B_SCHEME, E2B_CONTEXT, E2B_PREFILL = "16a4w", 1024, 128
 # One shard per decoder layer (`--shards depth`): each HTP context is compiled on its own, so the compiler's peak
 # is one layer's, at every depth, and the line through the depths stays a line.
 E2B_LAYERS_PER_SHARD = 1
-SECTIONS = ["schemes", "e2b", "peer"]
+# The larger benchmark model (examples/tiny_gemma4.py --size bench) at the schemes a phone build chooses between.
+BENCH_SCHEMES = ["16a8w", "16a4w_block", "16a4w_e2b"]
+SECTIONS = ["schemes", "bench", "e2b", "peer"]
 ROWS_FILE = HERE / "rows.json"
 STAGES = ["load", "swap", "export", "calibrate", "quantize", "lower", "write"]
 CACHE = Path.home() / ".cache" / "optimum-qnn"
 DEMO_DIR = CACHE / "test-models" / "demo-gemma4"
+MODEL_DIRS = {"demo": DEMO_DIR, "bench": CACHE / "bench-models" / "bench-gemma4"}
+GREEDY_PROMPTS, GREEDY_PROMPT_TOKENS = 8, 24
 # Held-out text for perplexity: docstrings of standard-library modules. The demo model trains on CPython's
 # `pydoc_data.topics` (the language reference), which does not contain them.
 HELD_OUT_MODULES = ["argparse", "collections", "csv", "functools", "itertools", "json", "logging", "pathlib", "subprocess", "textwrap"]
@@ -90,8 +95,25 @@ def stage_costs(result) -> dict[str, list[float]]:
     return costs
 
 
-def scheme_child(scheme: str, work: Path, steps: int, runs: int) -> dict:
-    """Export the demo model at one scheme and measure it; runs in its own process."""
+def held_out_prompts(tokenizer, count: int = GREEDY_PROMPTS, length: int = GREEDY_PROMPT_TOKENS) -> list[list[int]]:
+    """`count` prompts of `length` tokens (BOS first), each the start of a different held-out module's docstring."""
+    import importlib
+
+    prompts = []
+    for name in HELD_OUT_MODULES[:count]:
+        ids = tokenizer(inspect.getdoc(importlib.import_module(name)) or "", add_special_tokens=False)["input_ids"]
+        prompts.append([tokenizer.bos_token_id] + ids[: length - 1])
+    return prompts
+
+
+def greedy_run(qnn_tokens, hf_tokens, start: int) -> int:
+    """How many new tokens equal Hugging Face's before the first difference."""
+    same = (qnn_tokens[0, start:] == hf_tokens[0, start:]).long()
+    return int(same.cumprod(0).sum())
+
+
+def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str = "demo") -> dict:
+    """Export one model at one scheme and measure it; runs in its own process."""
     import torch
 
     from optimum_qnn import StaticCausalLM
@@ -104,15 +126,19 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int) -> dict:
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     fields = recipe_fields(scheme) if scheme in RECIPES else {"quant": QuantScheme.parse(scheme)}
+    from transformers import AutoTokenizer
+
+    model_dir = MODEL_DIRS[model_name]
     config = ExportConfig(
         **fields, socs=(Soc.SM8650,), mode=ExportMode.HYBRID, shapes=ShapeConfig(CONTEXT, PREFILL),
-        embedding_quant=EmbeddingQuant(EMBEDDING_BITS.get(scheme, 8), 0), weight_sharing=False,
+        # 8-bit tables, one group per row, with zero points (as the demo: examples/demo.py says why).
+        embedding_quant=EmbeddingQuant(EMBEDDING_BITS.get(scheme, 8), 0, symmetric=False), weight_sharing=False,
     )
-    out = work / scheme
+    out = work / model_name / scheme
     calibration = CalibrationSource(file=work / "calib.txt", limit=16)
-    result = export(DEMO_DIR, out, config, calibration=calibration, evaluate=work / "held_out.txt", evaluate_tokens=EVAL_TOKENS)
+    result = export(model_dir, out, config, calibration=calibration, evaluate=work / "held_out.txt", evaluate_tokens=EVAL_TOKENS)
     costs = stage_costs(result)
-    hf = load_text_model(DEMO_DIR)[0]
+    hf = load_text_model(model_dir)[0]
     static = StaticCausalLM.from_hf(hf, max_context_len=CONTEXT)
     model = QNNModelForCausalLM.from_pretrained(out, quant=config.quant_tag)
     evaluation = model.manifest.evaluation
@@ -126,13 +152,17 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int) -> dict:
     ref = static.session().feed(held_ids)
     model._session.reset()
     got_decode = model._session.feed_method(DECODE_METHOD, held_ids)
-    hf_tokens = hf.generate(prompt.unsqueeze(0), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
-    qnn_tokens = model.generate(prompt, max_new_tokens=steps, eos_token_id=[])
-    same = (qnn_tokens[0, prompt.numel():] == hf_tokens[0, prompt.numel():]).long()
+    greedy = []
+    for ids in [prompt.tolist(), *held_out_prompts(AutoTokenizer.from_pretrained(model_dir))]:
+        ids = torch.tensor(ids)
+        hf_tokens = hf.generate(ids.unsqueeze(0), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
+        qnn_tokens = model.generate(ids, max_new_tokens=steps, eos_token_id=[])
+        greedy.append(greedy_run(qnn_tokens, hf_tokens, ids.numel()))
     pte = result.variants[0] / "model.pte"
     bound = size_lower_bound_bytes(hf, scheme)
     return {
         "scheme": config.quant_tag,
+        "model": model_name,
         "export s": sum(c[0] for c in costs.values()),
         "peak RSS MB": max(c[1] for c in costs.values()),
         ".pte KB": pte.stat().st_size / 1024,
@@ -146,7 +176,8 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int) -> dict:
         "SQNR dB": evaluation.sqnr_db,
         "decode SQNR dB": sqnr_db(got_decode, ref),
         "top-1": evaluation.top1_agreement,
-        "greedy = HF": int(same.cumprod(0).sum()),
+        "greedy = HF": greedy[0],
+        "greedy, held-out prompts": greedy[1:],
         "eval tokens": evaluation.tokens,
         "stages": costs,
     }
@@ -181,15 +212,51 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 
 def scheme_table(rows: list[dict], steps: int) -> str:
-    header = [k for k in rows[0] if k not in ("eval tokens", "stages")]
+    """One line per row; a column a row does not have (measured before the column existed) shows `-`."""
+    header = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in ("eval tokens", "stages", "model")]
     cells = []
     for row in rows:
         line = [row["scheme"]]
         for key in header[1:]:
-            fmt = "{:d}/" + str(steps) if key == "greedy = HF" else FORMATS.get(key, "{:.1f}")
-            line.append(fmt.format(row[key]))
+            value = row.get(key)
+            if value is None:
+                line.append("-")
+            elif key == "greedy, held-out prompts":
+                line.append(f"median {statistics.median(value):.0f}: " + " ".join(str(v) for v in value))
+            else:
+                fmt = "{:d}/" + str(steps) if key == "greedy = HF" else FORMATS.get(key, "{:.1f}")
+                line.append(fmt.format(value))
         cells.append(line)
     return markdown(header, cells)
+
+
+def bench_section(rows: list[dict] | None, weights: dict | None, steps: int) -> str:
+    """The larger benchmark model's rows, and how heavy-tailed both models' weights are."""
+    text = ""
+    if rows:
+        text += (
+            "\n## The larger benchmark model: 16a8w, 16a4w_block and the 16a4w_e2b recipe\n\n"
+            "Model: examples/tiny_gemma4.py --size bench (23 M parameters, 17 M in HTP linears; every Gemma4 trait "
+            "on; 8 layers, hidden 384, head_dim 64/128, vocabulary 2048; trained here for 480 steps, about 16 min), "
+            "measured exactly as the demo model above (same calibration, held-out text, prompts and emulator).\n\n"
+            + scheme_table(rows, steps) + "\n"
+        )
+    if weights:
+        text += (
+            "\n## How heavy-tailed the weights are\n\n"
+            "benchmarks/weight_stats.py, per output channel of each HTP linear: Pearson kurtosis (Gaussian: 3) and "
+            "max |w| / mean |w|; median and maximum over the class's channels, and in brackets the maximum for "
+            "Gaussian weights of the same shapes (what chance alone gives). Published figures for real LLMs are in "
+            "benchmarks/QUANT_NOTES.md.\n\n" + weight_stats.table(weights) + "\n"
+        )
+    return text
+
+
+def merge_rows(stored: list[dict], measured: list[dict]) -> list[dict]:
+    """The stored rows with the freshly measured ones in place of those of the same scheme (new ones appended)."""
+    fresh = {r["scheme"]: r for r in measured}
+    merged = [fresh.pop(r["scheme"], r) for r in stored]
+    return merged + list(fresh.values())
 
 
 def fit_layers(points: list[tuple[float, float]], target: float) -> tuple[float, float]:
@@ -284,6 +351,8 @@ IO_SECTION = (
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", nargs="*", default=SCHEMES)
+    parser.add_argument("--bench-schemes", nargs="*", default=BENCH_SCHEMES)
+    parser.add_argument("--model", choices=list(MODEL_DIRS), default="demo", help=argparse.SUPPRESS)
     parser.add_argument("--depths", nargs="*", type=int, default=list(DEPTHS), choices=list(DEPTHS))
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=SECTIONS,
                         help="measure only these; the others are read from benchmarks/rows.json (a previous run); "
@@ -295,7 +364,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("ROW " + json.dumps(scheme_child(args.child, args.work, args.steps, args.runs)), flush=True)
+        print("ROW " + json.dumps(scheme_child(args.child, args.work, args.steps, args.runs, args.model)), flush=True)
         return 0
     if args.e2b_child is not None:
         print("ROW " + json.dumps(e2b_child(args.e2b_child, args.work)), flush=True)
@@ -304,7 +373,7 @@ def main() -> int:
     stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
     missing = [s for s in SECTIONS if s not in args.sections and s not in stored]
     if missing:
-        raise SystemExit(f"No stored rows for {missing} in {ROWS_FILE}: measure them (--sections {' '.join(SECTIONS)})")
+        raise SystemExit(f"No stored rows for {missing} in {ROWS_FILE}: measure them (--sections {' '.join(missing)})")
     results = {s: stored[s] for s in SECTIONS if s not in args.sections}
     minutes = {s: stored["minutes"][s] for s in results}
     work = Path(tempfile.mkdtemp(prefix="optimum-qnn-bench-"))
@@ -313,13 +382,23 @@ def main() -> int:
     (work / "calib.txt").write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
     (work / "held_out.txt").write_text(held_out_text())
 
-    if "schemes" in args.sections:
-        results["schemes"] = []
-        for scheme in args.schemes:
-            print(f"== demo model, {scheme}", flush=True)
-            child = ["--child", scheme, "--work", str(work), "--steps", str(args.steps), "--runs", str(args.runs)]
-            results["schemes"].append(run_child(child))
-        minutes["schemes"], t0 = (time.perf_counter() - t0) / 60, time.perf_counter()
+    for section, model_name, schemes in (("schemes", "demo", args.schemes), ("bench", "bench", args.bench_schemes)):
+        if section not in args.sections:
+            continue
+        if model_name != "demo":
+            tiny_gemma4.build(MODEL_DIRS[model_name], size=model_name)
+        measured = []
+        for scheme in schemes:
+            print(f"== {model_name} model, {scheme}", flush=True)
+            child = ["--child", scheme, "--model", model_name, "--work", str(work), "--steps", str(args.steps),
+                     "--runs", str(args.runs)]
+            measured.append(run_child(child))
+        results[section] = merge_rows(stored.get(section, []), measured)
+        minutes[section], t0 = (time.perf_counter() - t0) / 60, time.perf_counter()
+    if "bench" in args.sections:
+        results["weights"] = {name: weight_stats.class_stats(folder) for name, folder in MODEL_DIRS.items()}
+    elif "weights" in stored:
+        results["weights"] = stored["weights"]
     if "e2b" in args.sections:
         results["e2b"] = []
         for depth in args.depths:
@@ -394,11 +473,15 @@ def main() -> int:
            f"{', '.join(HELD_OUT_MODULES)}), fp32 Hugging Face vs the .pte, in windows of the context "
            "(`optimum-cli export qnn --evaluate`); SQNR and top-1 are the logits over the same tokens.\n" if rows else "")
         + "- decode SQNR: 91 tokens fed one by one through the decode method only, against fp32.\n"
-        f"- greedy = HF: of {args.steps} new tokens, how many equal Hugging Face `generate` before the first difference.\n"
+        f"- greedy = HF: of {args.steps} new tokens, how many equal Hugging Face `generate` before the first difference, "
+        "after the benchmark prompt (ids 40-71). greedy, held-out prompts: the same after each of "
+        f"{GREEDY_PROMPTS} prompts of {GREEDY_PROMPT_TOKENS} tokens (BOS and the start of the docstring of "
+        f"{', '.join(HELD_OUT_MODULES[:GREEDY_PROMPTS])}): their median, then each.\n"
         f"- TTFT, tok/s and host overhead (the share of a decode step spent outside the .pte's execute call): a 33-token "
         f"prompt, {args.steps} decode steps, median of {args.runs} runs. Emulator speed says nothing about a phone's "
         "speed.\n\n"
         + (scheme_table(rows, args.steps) if rows else "(no scheme run)") + "\n"
+        + bench_section(results.get("bench"), results.get("weights"), args.steps)
         + IO_SECTION + io_bytes.table() + "\n"
     )
     (HERE / "RESULTS.md").write_text(text)

@@ -6,7 +6,11 @@ on it for a short, fixed number of steps so that its greedy continuations are re
 the Python docs). The folder it writes is a regular Hugging Face checkpoint (config.json, safetensors,
 tokenizer.json), which the exporter then loads like any other.
 
-Usage: ``python examples/tiny_gemma4.py OUT_DIR [--steps N]``
+Two sizes: `demo` (1.3 M parameters, a minute of training: the README's demo and the tests) and `bench` (23 M
+parameters, about 16 minutes of training on 2 cores: the largest that `make bench` trains within 20 minutes, for
+the 4-bit weight measurements of benchmarks/QUANT_NOTES.md).
+
+Usage: ``python examples/tiny_gemma4.py OUT_DIR [--size demo|bench] [--steps N]``
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +28,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig, 
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0, 1, 2, 3: Gemma's pad/eos/bos convention
 VOCAB = 512
+BENCH_VOCAB = 2048
 RECIPE_VERSION = 1  # bump when anything below changes, so cached builds are rebuilt
 
 
@@ -31,26 +38,28 @@ def corpus() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def demo_config() -> Gemma4TextConfig:
-    """Every Gemma4 trait: 4 sliding + 2 full layers, window 16, head_dim 16 / 32, 1 KV head on full layers with
-    k_eq_v, the last 2 layers reusing KV, a double-wide MLP there, per-layer embeddings, partial RoPE, softcap."""
+def _gemma4(vocab: int, hidden: int, mlp: int, heads: int, head_dims: tuple[int, int], layer_types: list[str],
+            window: int, ple: int) -> Gemma4TextConfig:
+    """A Gemma4 text config with every trait on: sliding and full layers, 2 KV heads on sliding layers and 1 on full
+    ones with k_eq_v, the last 2 layers reusing KV with a double-wide MLP, per-layer embeddings, partial RoPE (full
+    layers' default), final logit softcap."""
     return Gemma4TextConfig(
-        vocab_size=VOCAB,
-        vocab_size_per_layer_input=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=4,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=heads,
         num_key_value_heads=2,
-        head_dim=32,
-        global_head_dim=64,
+        head_dim=head_dims[0],
+        global_head_dim=head_dims[1],
         num_global_key_value_heads=1,
         attention_k_eq_v=True,
-        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
-        sliding_window=16,
+        layer_types=layer_types,
+        sliding_window=window,
         num_kv_shared_layers=2,
         use_double_wide_mlp=True,
-        hidden_size_per_layer_input=16,
+        hidden_size_per_layer_input=ple,
         final_logit_softcapping=30.0,
         max_position_embeddings=1024,
         pad_token_id=0,
@@ -59,21 +68,53 @@ def demo_config() -> Gemma4TextConfig:
     )
 
 
-def train_tokenizer(text: str) -> Tokenizer:
+def demo_config() -> Gemma4TextConfig:
+    """4 sliding + 2 full layers, window 16, head_dim 32 / 64, hidden 128: 1.3 M parameters."""
+    layer_types = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    return _gemma4(VOCAB, 128, 256, 4, (32, 64), layer_types, window=16, ple=16)
+
+
+def bench_config() -> Gemma4TextConfig:
+    """The same traits at 3x the width and 8 layers (6 sliding, 2 full; the last 2 reuse KV), window 64, a
+    2048-token vocabulary: 23 M parameters, 17 M of them in HTP linears."""
+    layer_types = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+    return _gemma4(BENCH_VOCAB, 384, 1536, 6, (64, 128), layer_types, window=64, ple=32)
+
+
+@dataclass(frozen=True)
+class Size:
+    """How one model size is built: its config, tokenizer vocabulary and training schedule."""
+
+    config: Callable[[], Gemma4TextConfig]
+    vocab: int
+    steps: int
+    lr: float
+    seq: int
+
+
+SIZES = {
+    "demo": Size(demo_config, VOCAB, steps=300, lr=3e-3, seq=96),
+    "bench": Size(bench_config, BENCH_VOCAB, steps=480, lr=2e-3, seq=128),
+}
+
+
+def train_tokenizer(text: str, vocab: int = VOCAB) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator([text], trainer=trainer)
     return tok
 
 
-def train(model: Gemma4ForCausalLM, ids: torch.Tensor, steps: int, seq: int = 96, batch: int = 16) -> float:
+def train(
+    model: Gemma4ForCausalLM, ids: torch.Tensor, steps: int, seq: int = 96, batch: int = 16, lr: float = 3e-3
+) -> float:
     gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     loss = torch.tensor(0.0)
     for step in range(steps):
@@ -90,37 +131,42 @@ def train(model: Gemma4ForCausalLM, ids: torch.Tensor, steps: int, seq: int = 96
     return loss.item()
 
 
-def build(out: Path, steps: int = 300) -> Path:
-    """Write the demo checkpoint to ``out`` (skipped when an identical build is already there)."""
+def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
+    """Write the `size` checkpoint to ``out`` (skipped when an identical build is already there)."""
     out = Path(out)
+    spec = SIZES[size]
+    steps = spec.steps if steps is None else steps
     stamp = out / "build.json"
     want = {"recipe": RECIPE_VERSION, "steps": steps, "torch": torch.__version__}
+    if size != "demo":
+        want["size"] = size
     if stamp.is_file() and json.loads(stamp.read_text()) == want:
         return out
     t0 = time.time()
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     text = corpus()
-    tok = train_tokenizer(text)
+    tok = train_tokenizer(text, spec.vocab)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
-    cfg = demo_config()
+    cfg = spec.config()
     cfg._attn_implementation = "eager"
     model = Gemma4ForCausalLM(cfg)
-    print(f"Training the demo Gemma4 ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params) on {ids.numel()} tokens")
-    loss = train(model, ids, steps)
+    print(f"Training the {size} Gemma4 ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params) on {ids.numel()} tokens")
+    loss = train(model, ids, steps, seq=spec.seq, lr=spec.lr)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=2, eos_token_id=1, pad_token_id=0).save_pretrained(out)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     fast.save_pretrained(out)
     stamp.write_text(json.dumps(want))
-    print(f"Demo model written to {out} in {time.time() - t0:.0f} s (final loss {loss:.2f})")
+    print(f"The {size} model written to {out} in {time.time() - t0:.0f} s (final loss {loss:.2f})")
     return out
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--size", choices=list(SIZES), default="demo")
+    parser.add_argument("--steps", type=int, help="training steps (default: the size's)")
     args = parser.parse_args()
-    build(args.out, args.steps)
+    build(args.out, args.steps, args.size)
