@@ -93,6 +93,7 @@ class ParameterCounts:
     # Sum over the HTP linears of in_features squared: the elements of their input Hessians (`X^T X`), which
     # output-MSE weight ranges and GPTQ rounding gather for every 4-bit linear at once (float64).
     hessian_elements: int = 0
+    linears: int = 0  # HTP linears: a --size-budget plan runs the model once per linear
 
     @classmethod
     def from_config(cls, text_config) -> "ParameterCounts":
@@ -102,7 +103,7 @@ class ParameterCounts:
         with torch.device("meta"):
             model = Gemma4ForCausalLM(text_config)
         token = per_layer = other = 0
-        hessian = sum(mod.in_features**2 for mod in model.modules() if isinstance(mod, torch.nn.Linear))
+        in_features = [mod.in_features for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
         layers = [0] * text_config.num_hidden_layers
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -118,7 +119,8 @@ class ParameterCounts:
             else:
                 other += p.numel()
         dtype = str(getattr(text_config, "dtype", None) or "bfloat16").removeprefix("torch.")
-        return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2), hessian)
+        return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2),
+                   sum(n * n for n in in_features), len(in_features))
 
     def as_dict(self) -> dict[str, int]:
         return {"token_table": self.token_table, "per_layer_table": self.per_layer_table, "layers": sum(self.layers),
@@ -352,11 +354,17 @@ def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, ev
     if evaluate:
         alternatives.append(("dropping --evaluate (it keeps the float32 model resident)", config, False))
     if _needs_hessians(config):
+        plan_note = (f"; a --size-budget plan alone holds none, but runs the model once per linear, {counts.linears} "
+                     "times" if config.size_budget is not None else "")
         alternatives.append((
             f"--weight-ranges minmax --weight-rounding nearest (output-MSE ranges and GPTQ hold every linear's input "
-            f"Hessian, {hessian_gib(counts):.1f} GB at this model's widths; a --size-budget plan alone needs none)",
+            f"Hessian, {hessian_gib(counts):.1f} GB at this model's widths{plan_note})",
             dataclasses.replace(config, weight_ranges=WeightRanges.MINMAX, weight_rounding=WeightRounding.NEAREST),
             evaluate))
+        if config.size_budget is not None:
+            plain = dataclasses.replace(config, recipe=None, size_budget=None, weight_ranges=WeightRanges.MINMAX,
+                                        weight_rounding=WeightRounding.NEAREST)
+            alternatives.append((f"--quant {config.quant.value} with no plan (no sensitivity passes)", plain, evaluate))
     for flag, variant, evaluates in alternatives:
         peak = estimate(counts, variant, shards, evaluate=evaluates).peak
         if peak < est.peak - 0.05:

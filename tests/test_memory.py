@@ -279,5 +279,7 @@ def test_output_mse_ranges_and_gptq_count_their_hessians(e2b):
         choose_memory_plan(e2b, ExportConfig(**recipe_fields("16a4w_e2b"), max_memory=16))
     message = str(info.value)
     assert "(plan stage" in message and "input Hessian, 31.5 GB" in message
+    assert "runs the model once per linear, 277 times" in message and e2b.linears == 277
+    assert "--quant 16a4w_block with no plan (no sensitivity passes)" in message
     fallback = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK, size_budget=SizeBudget(share=0.25)), 35)
     assert f"estimated peak {fallback.peak:.1f} GB" in message
