@@ -1,0 +1,178 @@
+"""Can a few backward passes replace one model pass per linear in the sensitivity plan? Measured against the exact plan.
+
+The `--size-budget` plan measures each linear's effect on the logits by running the model once with only that
+linear rounded to 4 bits: one pass per linear, 277 whole-model passes at Gemma-4-E2B's size (QUANT_NOTES.md section
+9). To first order the logits' change from linear i is ``J_i dW_i x``, and for a random vector ``v`` over the logits,
+``E[(v . J_i dW_i x)^2] = |J_i dW_i x|^2``. One backward pass of ``v . logits`` gives ``v . J_i dW_i x`` for every
+linear at once (the gradient at the linear's output dotted with ``dW_i x``), so K probes estimate every linear's noise
+with K forward and backward passes, independent of the number of linears.
+
+This compares the two on a checkpoint (HF eager forward in fp32, 4 windows of 128 calibration tokens, every linear
+rounded as the quantizer rounds 4-bit block-64 weights): the rank correlation of noise per parameter, the linears
+each keeps at 8 bits within a 25% budget, and the held-out logits SQNR of the resulting mixed weights.
+
+Usage: python benchmarks/sensitivity_probe.py MODEL_DIR [MODEL_DIR ...] [--probes 8 16 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+BLOCK, CONTEXT, WINDOWS, SHARE = 64, 128, 4, 0.25
+
+
+def windows_of(tokenizer, text: str, count: int) -> list[torch.Tensor]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    step = CONTEXT - 1
+    return [torch.tensor([tokenizer.bos_token_id] + ids[i * step : (i + 1) * step]) for i in range(count)]
+
+
+def linears_of(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def deltas_of(linears: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
+    from optimum_qnn.weight_search import block_of, fake_quantize_weight
+
+    return {n: fake_quantize_weight(m.weight, 4, block_of(m, BLOCK)) - m.weight.detach() for n, m in linears.items()}
+
+
+def logits_of(model: nn.Module, windows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([model(input_ids=w.unsqueeze(0)).logits[0] for w in windows])
+
+
+def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, float]:
+    """Each linear alone at 4 bits: the logits' noise power over their power (what the exporter's plan measures)."""
+    linears = linears_of(model)
+    deltas = deltas_of(linears)
+    with torch.no_grad():
+        ref = logits_of(model, windows).double()
+        power = ref.pow(2).mean().item()
+        out = {}
+        for name, linear in linears.items():
+            linear.weight += deltas[name]
+            out[name] = (logits_of(model, windows).double() - ref).pow(2).mean().item() / power
+            linear.weight -= deltas[name]
+    return out
+
+
+def probe_noise(model: nn.Module, windows: list[torch.Tensor], probes: int, seed: int = 0) -> dict[str, float]:
+    """The same, estimated to first order from `probes` random-probe backward passes."""
+    linears = linears_of(model)
+    deltas = deltas_of(linears)
+    inputs: dict[str, torch.Tensor] = {}
+    sums = {name: 0.0 for name in linears}
+    handles = []
+    for name, linear in linears.items():
+        def keep(module, args, name=name):
+            inputs[name] = args[0].detach()
+
+        def grad(module, grad_input, grad_output, name=name):
+            # v . J_i dW_i x: the gradient at the output dotted with the output's change, over all tokens.
+            change = inputs[name] @ deltas[name].T
+            sums[name] += float((grad_output[0] * change).sum())
+
+        handles += [linear.register_forward_pre_hook(keep), linear.register_full_backward_hook(grad)]
+    # Only activation gradients are needed: weights frozen, the token table kept trainable so activations carry grads.
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.get_input_embeddings().weight.requires_grad_(True)
+    gen = torch.Generator().manual_seed(seed)
+    squares = {name: 0.0 for name in linears}
+    power = 0.0
+    try:
+        for _ in range(probes):
+            for name in sums:
+                sums[name] = 0.0
+            logits = logits_of(model, windows)
+            power = float(logits.detach().double().pow(2).mean())
+            v = torch.randn(logits.shape, generator=gen)
+            model.zero_grad(set_to_none=True)
+            (logits * v).sum().backward()
+            for name in linears:
+                squares[name] += sums[name] ** 2 / probes
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: squares[name] / logits.numel() / power for name in linears}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def mixed_sqnr(model_dir: Path, kept: set[str], windows: list[torch.Tensor]) -> float:
+    """Held-out logits SQNR with every linear at 4 bits except `kept` at 8 (weight-only, rounded as the quantizer)."""
+    from optimum_qnn.models.gemma4.loading import load_text_model
+    from optimum_qnn.weight_search import block_of, fake_quantize_weight
+
+    model = load_text_model(model_dir)[0].float().eval()
+    with torch.no_grad():
+        ref = logits_of(model, windows).double()
+        for name, m in linears_of(model).items():
+            m.weight.copy_(fake_quantize_weight(m.weight, 8, None) if name in kept else fake_quantize_weight(m.weight, 4, block_of(m, BLOCK)))
+        got = logits_of(model, windows).double()
+    return 10 * math.log10(ref.pow(2).mean() / (got - ref).pow(2).mean())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", type=Path)
+    parser.add_argument("--probes", nargs="*", type=int, default=[8, 16, 32])
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    import run
+    import tiny_gemma4
+    from optimum_qnn.config import SizeBudget
+    from optimum_qnn.mixed_precision import plan
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
+    print("| model | method | passes (forward + backward) | s | Spearman of noise/param vs exact | kept at 8 bits: "
+          "linears (same as exact) | held-out SQNR dB with that plan |\n|---|---|---|---|---|---|---|")
+    for model_dir in args.models:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        calibration = windows_of(tokenizer, tiny_gemma4.corpus(), WINDOWS)
+        held_out = windows_of(tokenizer, run.held_out_text(), 8)
+        model = load_text_model(model_dir)[0].float().eval()
+        params = {n: m.weight.numel() for n, m in linears_of(model).items()}
+        budget = SizeBudget(share=SHARE)
+
+        def row(method: str, passes: str, seconds: float, noise: dict[str, float], exact: dict[str, float] | None):
+            sqnr = {n: (200.0 if v <= 0 else -10 * math.log10(v)) for n, v in noise.items()}
+            kept = set(plan(sqnr, params, budget).kept)
+            per_param = [noise[n] / params[n] for n in params]
+            rho = spearman(per_param, [exact[n] / params[n] for n in params]) if exact else 1.0
+            same = len(kept & row.exact_kept) if exact else len(kept)
+            print(f"| {model_dir.name} | {method} | {passes} | {seconds:.0f} | {rho:.3f} | {len(kept)} ({same}) | "
+                  f"{mixed_sqnr(model_dir, kept, held_out):.2f} |", flush=True)
+            return kept
+
+        t0 = time.perf_counter()
+        exact = exact_noise(model, calibration)
+        row.exact_kept = set()
+        row.exact_kept = row("exact, one pass per linear", f"{len(params)} + 0", time.perf_counter() - t0, exact, None)
+        for probes in args.probes:
+            t0 = time.perf_counter()
+            estimate = probe_noise(model, calibration, probes)
+            row(f"{probes} random probes", f"{probes} + {probes}", time.perf_counter() - t0, estimate, exact)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
