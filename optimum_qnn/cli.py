@@ -175,7 +175,7 @@ def run_export(args: argparse.Namespace) -> int:
         return 130
     print("\nSwapped modules:\n" + result.swap_summary)
     if result.quant_rows:
-        from optimum_qnn.quantization import format_quant_summary
+        from optimum_qnn.quant_summary import format_quant_summary
 
         print("\nQuantization:\n" + format_quant_summary(result.quant_rows))
     if result.mixed_plan is not None:

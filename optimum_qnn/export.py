@@ -396,7 +396,7 @@ def _release_float_weights(module: torch.nn.Module, graphs) -> None:
     """Empty the float weights that the quantized graphs no longer read (they hold quantized copies), so lowering
     does not carry them: 7.4 GB of fp32 layer weights and 1.6 GB of lm_head for Gemma-4-E2B. The module cannot
     run afterwards."""
-    from optimum_qnn.quantization import tensor_attributes
+    from optimum_qnn.folding import tensor_attributes
 
     used = {t.untyped_storage().data_ptr() for graph in graphs for _, t in tensor_attributes(graph)}
     freed = 0

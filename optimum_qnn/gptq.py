@@ -85,7 +85,8 @@ def apply_gptq(
     once). Weights with 8-bit observers (kept by a mixed-precision plan) are left alone. Returns the number of
     weights rounded.
     """
-    from optimum_qnn.quantization import _CASTS, WEIGHT_OPS, _module_path, _owner
+    from optimum_qnn.folding import _CASTS, _owner
+    from optimum_qnn.quantization import WEIGHT_OPS, _module_path
     from optimum_qnn.weight_search import _QMAX
 
     def weight_nodes(graph: torch.fx.GraphModule):

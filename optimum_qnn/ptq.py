@@ -81,7 +81,8 @@ def quantize_static(
     Returns:
         (method name -> converted graph, the quantization summary rows, the MixedPlan or None).
     """
-    from optimum_qnn.quantization import make_quantizer, quant_summary, quantize_shared
+    from optimum_qnn.quant_summary import quant_summary
+    from optimum_qnn.quantization import make_quantizer, quantize_shared
     from optimum_qnn.sdk import ensure_qnn_sdk
 
     ensure_qnn_sdk()  # QnnQuantizer needs QNN_SDK_ROOT before executorch's Qualcomm code is imported

@@ -9,7 +9,7 @@ Gemma-4-E2B's decoder, 1.6 GB for its lm_head) was most of the export's peak mem
 - each `nn.Linear` of the static graph becomes an `UpcastLinear`, whose graph casts its weight to the activations'
   dtype (fp32). The cast of a bf16 value to fp32 is exact, so the graph computes what it computed with fp32
   weights; PT2E observes and quantizes the cast weight, and the constant folding of the quantization
-  (`quantization.fold_weight_quantization`) folds the cast with it, so no cast is left in the converted graph;
+  (`folding.fold_weight_quantization`) folds the cast with it, so no cast is left in the converted graph;
 - `release_pages` hands a tensor's file-backed pages back to the kernel once a pass over it is done (the
   embedding tables are quantized row chunk by row chunk, and none of their bf16 pages stays resident).
 """

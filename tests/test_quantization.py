@@ -324,7 +324,8 @@ def test_make_quantizer_rejects_bad_arguments(qnn_sdk):
 
 
 def test_summary_shows_scheme_overrides_and_block_fallback(toy):
-    from optimum_qnn.quantization import format_quant_summary, make_quantizer, prepare, quant_summary
+    from optimum_qnn.quant_summary import format_quant_summary, quant_summary
+    from optimum_qnn.quantization import make_quantizer, prepare
 
     quantizer = make_quantizer(
         "16a4w_block",
@@ -357,7 +358,7 @@ def test_summary_shows_scheme_overrides_and_block_fallback(toy):
 
 
 def test_summary_collapses_layers():
-    from optimum_qnn.quantization import _ranges
+    from optimum_qnn.quant_summary import _ranges
 
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert _ranges([3]) == "3"
@@ -446,7 +447,8 @@ def test_prefill_and_decode_share_quant_params(toy, scheme):
 def test_each_weight_is_quantized_once_for_both_graphs(toy, scheme):
     """With one memo, converting the decode graph after the prefill graph quantizes no weight again: it gets the
     prefill graph's integer tensors (the same objects), which equal what it would compute itself."""
-    from optimum_qnn.quantization import convert, copy_observer_state, make_quantizer, prepare, tensor_attributes
+    from optimum_qnn.folding import tensor_attributes
+    from optimum_qnn.quantization import convert, copy_observer_state, make_quantizer, prepare
 
     quantizer = make_quantizer(scheme)
     prefill, decode, alone = (prepare(toy.export(n), quantizer) for n in (PREFILL_AR, 1, 1))
@@ -720,7 +722,8 @@ def test_bounded_memory_convert_equals_torchao_fold(toy, scheme):
     constants, same outputs) without keeping a dequantized float copy of every weight."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    from optimum_qnn.quantization import convert, make_quantizer, prepare, tensor_attributes
+    from optimum_qnn.folding import tensor_attributes
+    from optimum_qnn.quantization import convert, make_quantizer, prepare
 
     def calibrated():
         prepared = prepare(toy.export(1), make_quantizer(scheme))
