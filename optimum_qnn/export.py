@@ -240,7 +240,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     )
     from optimum_qnn.hub import write_model_card
     from optimum_qnn.inspection import export_time_inspection
-    from optimum_qnn.lowering import format_delegation, lower_to_pte
+    from optimum_qnn.delegation import format_delegation
+    from optimum_qnn.lowering import lower_to_pte
 
     evaluator = None
     if evaluate is not None:

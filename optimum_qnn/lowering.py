@@ -14,7 +14,7 @@ So artifacts meant for the emulator (tests, parity checks on x86) pass `weight_s
 Example:
     >>> programs = {"prefill_forward": (block, prefill_inputs), "kv_forward": (block, decode_inputs)}
     >>> lowered = lower_to_pte(programs, Soc.SM8650, fp16=True, constant_methods={"get_max_seq_len": 64})
-    >>> lowered.write("model.pte"); print(format_delegation(lowered.delegation))
+    >>> lowered.write("model.pte"); print(format_delegation(lowered.delegation))  # optimum_qnn.delegation
 """
 
 from __future__ import annotations
@@ -22,21 +22,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
-import sys
-import tempfile
-import operator
 import re
 import shutil
-from collections import Counter
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
 
 from optimum_qnn.config import Soc
+from optimum_qnn.delegation import MethodDelegation, delegation_summary
+from optimum_qnn.native_output import quiet_native_output
 from optimum_qnn.parallel_compile import default_workers, parallel_shard_compiles
 from optimum_qnn.sdk import ensure_qnn_sdk
 
@@ -46,7 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-QNN_BACKEND_ID = "QnnBackend"
 
 # A method is an exported program or a module with its positional example inputs.
 MethodSource: TypeAlias = Union[torch.export.ExportedProgram, tuple[torch.nn.Module, tuple[Any, ...]]]
@@ -104,31 +100,6 @@ def compile_specs(
     return generate_qnn_executorch_compiler_spec(
         soc_model=chipset, backend_options=backend_options, shared_buffer=shared_buffer, debug=debug
     )
-
-
-@dataclass(frozen=True)
-class MethodDelegation:
-    """What of one method runs on QNN and what stays on the CPU.
-
-    Args:
-        method: the method name.
-        partitions: number of QNN delegate calls in the method.
-        delegated: number of ops inside the QNN partitions.
-        on_cpu: ops left on the CPU, op name -> count (`getitem` bookkeeping excluded).
-    """
-
-    method: str
-    partitions: int
-    delegated: int
-    on_cpu: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def cpu_ops(self) -> int:
-        return sum(self.on_cpu.values())
-
-    @property
-    def fully_delegated(self) -> bool:
-        return self.partitions == 1 and not self.on_cpu
 
 
 @dataclass
@@ -284,50 +255,6 @@ def lower_to_pte(
         del executorch_program
     logger.debug("QNN compiler output:\n%s", native_log.text)
     return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
-
-
-class _NativeLog:
-    text: str = ""
-
-
-@contextlib.contextmanager
-def quiet_native_output() -> Iterator[_NativeLog]:
-    """Collect what the QNN compiler prints (per-op INFO lines, progress bars written straight to the process's
-    stdout/stderr by the C++ libraries) instead of flooding the terminal; re-emit it if lowering fails.
-
-    Python loggers of executorch are held at WARNING meanwhile (it configures INFO logging of every partitioned op).
-    """
-    log = _NativeLog()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    root = logging.getLogger()
-    level = root.level
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        root.setLevel(max(level, logging.WARNING))
-        try:
-            yield log
-        except BaseException:
-            _restore(saved)
-            sink.seek(0)
-            sys.stderr.write(sink.read()[-20000:].decode(errors="replace"))
-            raise
-        finally:
-            root.setLevel(level)
-            _restore(saved)
-            os.close(saved[0])
-            os.close(saved[1])
-        sink.seek(0)
-        log.text = sink.read().decode(errors="replace")
-
-
-def _restore(saved: tuple[int, int]) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
 
 
 def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int], quant_io_dtype=None):
@@ -507,43 +434,3 @@ def _preprocess_copies_share_weights() -> Iterator[None]:
             del QnnBackend.copy_exported_program_for_preprocess
         else:
             QnnBackend.copy_exported_program_for_preprocess = saved
-
-
-def delegation_summary(edge: EdgeProgramManager) -> dict[str, MethodDelegation]:
-    """Per method of a lowered edge program: QNN partitions, ops inside them, ops left on the CPU."""
-    from executorch.exir.delegate import executorch_call_delegate
-
-    summary = {}
-    for method in edge.methods:
-        graph_module = edge.exported_program(method).graph_module
-        partitions, delegated, on_cpu = 0, 0, Counter()
-        for node in graph_module.graph.nodes:
-            if node.op != "call_function" or node.target is operator.getitem:
-                continue
-            if node.target is executorch_call_delegate:
-                lowered = getattr(graph_module, node.args[0].target)
-                if lowered.backend_id == QNN_BACKEND_ID:
-                    partitions += 1
-                    delegated += sum(
-                        n.op == "call_function" and n.target is not operator.getitem
-                        for n in lowered.original_module.graph.nodes
-                    )
-                    continue
-            on_cpu[_op_name(node.target)] += 1
-        summary[method] = MethodDelegation(method, partitions, delegated, dict(on_cpu))
-    return summary
-
-
-def _op_name(target: Any) -> str:
-    """`aten.erf.default` for ATen and edge ops (whose str() is a long schema dump), else the callable's name."""
-    return getattr(target, "__name__", None) or str(target)
-
-
-def format_delegation(summary: Mapping[str, MethodDelegation]) -> str:
-    """A small table: method, QNN partitions, ops on QNN, ops on CPU (with their names)."""
-    rows = [("method", "partitions", "on QNN", "on CPU", "CPU ops")]
-    for d in summary.values():
-        cpu = ", ".join(f"{op} x{n}" for op, n in sorted(d.on_cpu.items())) or "-"
-        rows.append((d.method, str(d.partitions), str(d.delegated), str(d.cpu_ops), cpu))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

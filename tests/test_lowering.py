@@ -17,7 +17,8 @@ import pytest
 
 from optimum_qnn.config import Soc
 from optimum_qnn.inspection.pte import qnn_delegates
-from optimum_qnn.lowering import compile_specs, format_delegation, lower_to_pte
+from optimum_qnn.delegation import format_delegation
+from optimum_qnn.lowering import compile_specs, lower_to_pte
 
 FP16_MAX_ABS = 5e-3
 FP16_MIN_COSINE = 0.99999
