@@ -407,6 +407,11 @@ class ExportConfig:
         return shard_starts(num_layers, self.shards)
 
     @property
+    def needs_input_hessians(self) -> bool:
+        """Whether the export gathers the 4-bit linears' input Hessians: output-MSE ranges and GPTQ rounding do."""
+        return self.weight_ranges is WeightRanges.OUTPUT_MSE or self.weight_rounding is WeightRounding.GPTQ
+
+    @property
     def quant_tag(self) -> str:
         """Variant name part for the quant scheme, e.g. `16a4w_block64`, or the recipe's name."""
         if self.recipe is not None:

@@ -105,14 +105,18 @@ def _replace_memo_hits(graph: torch.fx.GraphModule, memo: Mapping) -> None:
     graph.graph.eliminate_dead_code()
 
 
+def weight_attr_node(value: object) -> torch.fx.Node | None:
+    """The get_attr node a graph value reads through dtype casts (a weight, possibly kept in its stored dtype), or
+    None if it reads no constant."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target in _CASTS:
+        value = value.args[0]
+    return value if isinstance(value, torch.fx.Node) and value.op == "get_attr" else None
+
+
 def _fold_source(graph: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor | None:
     """The weight a quantize op reads (through casts), or None if it reads no weight."""
-    source = node.args[0]
-    while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _CASTS:
-        source = source.args[0]
-    if not isinstance(source, torch.fx.Node) or source.op != "get_attr":
-        return None
-    return getattr(*_owner(graph, source.target))
+    source = weight_attr_node(node.args[0])
+    return None if source is None else getattr(*_owner(graph, source.target))
 
 
 def _fold_key(graph: torch.fx.GraphModule, node: torch.fx.Node, env: Mapping) -> tuple | None:

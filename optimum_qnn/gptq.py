@@ -85,38 +85,22 @@ def apply_gptq(
     once). Weights with 8-bit observers (kept by a mixed-precision plan) are left alone. Returns the number of
     weights rounded.
     """
-    from optimum_qnn.folding import _CASTS, _owner
-    from optimum_qnn.quantization import WEIGHT_OPS, _module_path
-    from optimum_qnn.weight_search import _QMAX
-
-    def weight_nodes(graph: torch.fx.GraphModule):
-        for node in graph.graph.nodes:
-            if node.op != "call_function" or node.target not in WEIGHT_OPS or len(node.args) < 2:
-                continue
-            observer_node = node.args[1]
-            if getattr(observer_node, "op", None) != "call_module":
-                continue
-            source = observer_node.args[0]
-            while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _CASTS:
-                source = source.args[0]
-            if isinstance(source, torch.fx.Node) and source.op == "get_attr":
-                yield _module_path(node), observer_node, source
+    from optimum_qnn.folding import _owner, weight_attr_node
+    from optimum_qnn.weight_search import _QMAX, four_bit_weight_observers
 
     rounded: dict[str, torch.Tensor] = {}
     graph = prepared[calibrated]
-    for path, observer_node, source in weight_nodes(graph):
-        if path not in hessians or path in rounded:
-            continue
-        observer = graph.get_submodule(observer_node.target)
-        observer = getattr(observer, "activation_post_process", observer)
-        if getattr(observer, "quant_max", None) != _QMAX[4]:
+    for path, observer_node, observer in four_bit_weight_observers(graph):
+        source = weight_attr_node(observer_node.args[0])
+        if path not in hessians or path in rounded or source is None:
             continue
         weight = getattr(*_owner(graph, source.target))
         q = gptq_round(weight.float(), hessians[path], observer_scales(observer), _QMAX[4])
         rounded[path] = q.to(weight.dtype)
     for graph in prepared.values():
-        for path, _, source in weight_nodes(graph):
-            if path in rounded:
+        for path, observer_node, _ in four_bit_weight_observers(graph):
+            source = weight_attr_node(observer_node.args[0])
+            if path in rounded and source is not None:
                 owner, attr = _owner(graph, source.target)
                 value = rounded[path]
                 setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False) if attr in owner._parameters else value)

@@ -197,16 +197,12 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
             # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
             # an earlier pipeline: 7 layers in one shard wrote at 6.84 GB, in seven at 5.31).
             stages[name] += shard
-    if _needs_hessians(config):
+    if config.needs_input_hessians:
         # Before calibration, on the float module: the calibrate stage's working set is an upper bound of the
         # forward passes; the Hessians are held until the 4-bit weights are rounded.
         stages = {"plan": stages["calibrate"] + hessian_gib(counts), **stages}
         stages["calibrate"] += hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
-
-
-def _needs_hessians(config: ExportConfig) -> bool:
-    return config.weight_ranges is not WeightRanges.MINMAX or config.weight_rounding is not WeightRounding.NEAREST
 
 
 def hessian_gib(counts: ParameterCounts) -> float:
@@ -353,7 +349,7 @@ def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, ev
                              dataclasses.replace(config, embedding_quant=EmbeddingQuant(4, 0)), evaluate))
     if evaluate:
         alternatives.append(("dropping --evaluate (it keeps the float32 model resident)", config, False))
-    if _needs_hessians(config):
+    if config.needs_input_hessians:
         plan_note = (f"; a --size-budget plan alone holds none, but runs the model once per linear, {counts.linears} "
                      "times" if config.size_budget is not None else "")
         alternatives.append((

@@ -90,8 +90,7 @@ def quantize_static(
     calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
     seqs = calibration_sequences(static, tokenizer, texts, calibrate_on)
     mixed_plan, clips, hessians = None, {}, {}
-    if (config.size_budget is not None or config.weight_ranges is not WeightRanges.MINMAX
-            or config.weight_rounding is not WeightRounding.NEAREST):
+    if config.size_budget is not None or config.needs_input_hessians:
         with stage("plan"):
             mixed_plan, clips, hessians = _plan_weights(static, config, seqs, calibrate_on)
     overrides = dict(config.overrides)
@@ -128,7 +127,7 @@ def quantize_static(
 
 def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate_on: str):
     """The mixed-precision plan (None without a size budget), per-linear 4-bit clip factors ({} for min-max) and the
-    input Hessians of the 4-bit linears ({} when neither the clips nor GPTQ need them)."""
+    input Hessians of the 4-bit linears for GPTQ ({} without it: the clips' Hessians are not held past the plan)."""
     from optimum_qnn import mixed_precision, weight_search
 
     scheme_block = config.block_size if config.quant is QuantScheme.A16W4_BLOCK else None
@@ -145,7 +144,7 @@ def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate
         plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget)
         logger.info("%s", plan.table())
     clips, hessians = {}, {}
-    if config.weight_ranges is WeightRanges.OUTPUT_MSE or config.weight_rounding is WeightRounding.GPTQ:
+    if config.needs_input_hessians:
         kept = set(plan.kept) if plan is not None else set()
         searched = {n: m for n, m in linears.items() if n not in kept}
         hessians = weight_search.input_hessians(searched, lambda: _feed(session, calibrate_on, seqs))
@@ -154,4 +153,4 @@ def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate
             n: weight_search.output_mse_clips(m, hessians[n], weight_search.block_of(m, scheme_block))
             for n, m in searched.items()
         }
-    return plan, clips, hessians
+    return plan, clips, hessians if config.weight_rounding is WeightRounding.GPTQ else {}

@@ -19,7 +19,7 @@ rounding (LPBQ scale steps included) then produces the weights: no second quanti
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -103,6 +103,21 @@ def output_mse_clips(linear: nn.Linear, hessian: torch.Tensor, block_size: int |
     return chosen
 
 
+def four_bit_weight_observers(prepared: torch.fx.GraphModule) -> Iterator[tuple[str, torch.fx.Node, nn.Module]]:
+    """(module path, observer node, observer) of each 4-bit weight observer of a prepared graph's linears and convs;
+    8-bit ones (kept by a mixed-precision plan) are skipped. The observer node's input is the weight (through casts)."""
+    for node in prepared.graph.nodes:
+        if node.op != "call_function" or node.target not in WEIGHT_OPS or len(node.args) < 2:
+            continue
+        observer_node = node.args[1]
+        if getattr(observer_node, "op", None) != "call_module":
+            continue
+        observer = prepared.get_submodule(observer_node.target)
+        observer = getattr(observer, "activation_post_process", observer)
+        if getattr(observer, "quant_max", None) == _QMAX[4]:
+            yield _module_path(node), observer_node, observer
+
+
 def apply_clips(prepared: torch.fx.GraphModule, clips: Mapping[str, torch.Tensor]) -> int:
     """Scale the calibrated 4-bit weight observers' ranges of the linears named in `clips` by their factors.
 
@@ -111,16 +126,9 @@ def apply_clips(prepared: torch.fx.GraphModule, clips: Mapping[str, torch.Tensor
     8-bit weights (kept by a mixed-precision plan) are left alone. Returns the number of observers changed.
     """
     changed = 0
-    for node in prepared.graph.nodes:
-        if node.op != "call_function" or node.target not in WEIGHT_OPS or len(node.args) < 2:
-            continue
-        clip = clips.get(_module_path(node))
-        observer_node = node.args[1]
-        if clip is None or getattr(observer_node, "op", None) != "call_module":
-            continue
-        observer = prepared.get_submodule(observer_node.target)
-        observer = getattr(observer, "activation_post_process", observer)
-        if getattr(observer, "quant_max", None) != _QMAX[4]:
+    for path, _, observer in four_bit_weight_observers(prepared):
+        clip = clips.get(path)
+        if clip is None:
             continue
         for name in ("min_val", "max_val"):
             value = getattr(observer, name)
