@@ -32,7 +32,6 @@ def main() -> int:
     args = parser.parse_args()
 
     from optimum_qnn.calibration import CalibrationSource
-    from optimum_qnn.config import RECIPES, EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc, recipe_fields
     from optimum_qnn.export import export
 
     work = args.work or Path(tempfile.mkdtemp(prefix="optimum-qnn-phone-size-"))
@@ -43,11 +42,7 @@ def main() -> int:
         tiny_gemma4.build(run.MODEL_DIRS[model], size=model)
         sizes = {}
         for scheme in args.schemes:
-            fields = recipe_fields(scheme) if scheme in RECIPES else {"quant": QuantScheme.parse(scheme)}
-            config = ExportConfig(
-                **fields, socs=(Soc.SM8650,), mode=ExportMode.HYBRID, shapes=ShapeConfig(run.CONTEXT, run.PREFILL),
-                embedding_quant=EmbeddingQuant(8, 0, symmetric=False), weight_sharing=True,
-            )
+            config = run.scheme_config(scheme, weight_sharing=True)
             t0 = time.perf_counter()
             calibration = CalibrationSource(file=work / "calib.txt", limit=16)
             result = export(run.MODEL_DIRS[model], work / model / scheme, config, calibration=calibration)

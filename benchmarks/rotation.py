@@ -109,10 +109,11 @@ def measure(model_dir: Path) -> list[tuple[str, dict[str, float]]]:
     import run
     from optimum_qnn.models.gemma4.loading import load_text_model
 
+    from optimum_qnn.evaluation import windows as cut
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(run.held_out_text(), add_special_tokens=False)["input_ids"]
-    step = CONTEXT - 1
-    windows = [torch.tensor([tok.bos_token_id] + ids[i * step : (i + 1) * step]) for i in range(WINDOWS)]
+    windows = cut(ids, CONTEXT, tok.bos_token_id, max_tokens=WINDOWS * (CONTEXT - 1))
     rows = []
     ref = None
     for label, rotate, quantize in (("fp32", False, False), ("fp32, R2 rotated", True, False),

@@ -69,15 +69,13 @@ def held_out_text() -> str:
 def size_lower_bound_bytes(hf_model, scheme: str) -> float:
     """Parameters x bits: the HTP weights at the scheme's width (a recipe's: its scheme's), the CPU embedding tables
     at theirs."""
-    from optimum_qnn.config import RECIPES, QuantScheme
-
     embed = {id(p) for name, p in hf_model.named_parameters() if "embed_tokens" in name}
     n_embed = sum(p.numel() for p in hf_model.parameters() if id(p) in embed)
     n_rest = sum(p.numel() for p in hf_model.parameters() if id(p) not in embed)
     # lm_head is tied to the token table but is a separate HTP copy in the .pte.
     n_rest += hf_model.lm_head.weight.numel()
     embed_bits = EMBEDDING_BITS.get(scheme, 8) or 32
-    quant = RECIPES[scheme]["quant"] if scheme in RECIPES else QuantScheme.parse(scheme)
+    quant = scheme_config(scheme).quant
     return (n_rest * quant.weight_bits + n_embed * embed_bits) / 8
 
 
@@ -112,28 +110,35 @@ def greedy_run(qnn_tokens, hf_tokens, start: int) -> int:
     return int(same.cumprod(0).sum())
 
 
+def scheme_config(scheme: str, weight_sharing: bool = False):
+    """The ExportConfig of a scheme's benchmark row (a recipe's fields for a recipe name): SM8650, hybrid, the
+    benchmark's context, 8-bit tables with zero points; weights not shared (the emulator builds) unless asked."""
+    from optimum_qnn.config import RECIPES, EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc, recipe_fields
+
+    fields = recipe_fields(scheme) if scheme in RECIPES else {"quant": QuantScheme.parse(scheme)}
+    return ExportConfig(
+        **fields, socs=(Soc.SM8650,), mode=ExportMode.HYBRID, shapes=ShapeConfig(CONTEXT, PREFILL),
+        # 8-bit tables, one group per row, with zero points (as the demo: examples/demo.py says why).
+        embedding_quant=EmbeddingQuant(EMBEDDING_BITS.get(scheme, 8), 0, symmetric=False), weight_sharing=weight_sharing,
+    )
+
+
 def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str = "demo") -> dict:
     """Export one model at one scheme and measure it; runs in its own process."""
     import torch
 
     from optimum_qnn import StaticCausalLM
     from optimum_qnn.calibration import CalibrationSource
-    from optimum_qnn.config import RECIPES, EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc, recipe_fields
     from optimum_qnn.contract import DECODE_METHOD
     from optimum_qnn.evaluation import sqnr_db
     from optimum_qnn.export import export
     from optimum_qnn.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
-    fields = recipe_fields(scheme) if scheme in RECIPES else {"quant": QuantScheme.parse(scheme)}
     from transformers import AutoTokenizer
 
     model_dir = MODEL_DIRS[model_name]
-    config = ExportConfig(
-        **fields, socs=(Soc.SM8650,), mode=ExportMode.HYBRID, shapes=ShapeConfig(CONTEXT, PREFILL),
-        # 8-bit tables, one group per row, with zero points (as the demo: examples/demo.py says why).
-        embedding_quant=EmbeddingQuant(EMBEDDING_BITS.get(scheme, 8), 0, symmetric=False), weight_sharing=False,
-    )
+    config = scheme_config(scheme)
     out = work / model_name / scheme
     calibration = CalibrationSource(file=work / "calib.txt", limit=16)
     result = export(model_dir, out, config, calibration=calibration, evaluate=work / "held_out.txt", evaluate_tokens=EVAL_TOKENS)

@@ -34,9 +34,11 @@ BLOCK, CONTEXT, WINDOWS, SHARE = 64, 128, 4, 0.25
 
 
 def windows_of(tokenizer, text: str, count: int) -> list[torch.Tensor]:
+    """`count` windows of CONTEXT tokens, BOS first, as `--evaluate` cuts them."""
+    from optimum_qnn.evaluation import windows
+
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    step = CONTEXT - 1
-    return [torch.tensor([tokenizer.bos_token_id] + ids[i * step : (i + 1) * step]) for i in range(count)]
+    return windows(ids, CONTEXT, tokenizer.bos_token_id, max_tokens=count * (CONTEXT - 1))
 
 
 def linears_of(model: nn.Module) -> dict[str, nn.Linear]:
@@ -54,18 +56,13 @@ def logits_of(model: nn.Module, windows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, float]:
-    """Each linear alone at 4 bits: the logits' noise power over their power (what the exporter's plan measures)."""
-    linears = linears_of(model)
-    deltas = deltas_of(linears)
-    with torch.no_grad():
-        ref = logits_of(model, windows).double()
-        power = ref.pow(2).mean().item()
-        out = {}
-        for name, linear in linears.items():
-            linear.weight += deltas[name]
-            out[name] = (logits_of(model, windows).double() - ref).pow(2).mean().item() / power
-            linear.weight -= deltas[name]
-    return out
+    """Each linear alone at 4 bits: the logits' noise power over their power, measured as the exporter's plan does
+    (`mixed_precision.measure_sensitivity`)."""
+    from optimum_qnn.mixed_precision import measure_sensitivity
+    from optimum_qnn.weight_search import block_of
+
+    sqnr = measure_sensitivity(linears_of(model), lambda: logits_of(model, windows), lambda m: block_of(m, BLOCK))
+    return {name: 0.0 if math.isinf(db) else 10 ** (-db / 10) for name, db in sqnr.items()}
 
 
 def probe_noise(model: nn.Module, windows: list[torch.Tensor], probes: int, seed: int = 0) -> dict[str, float]:
@@ -153,24 +150,24 @@ def main() -> int:
         params = {n: m.weight.numel() for n, m in linears_of(model).items()}
         budget = SizeBudget(share=SHARE)
 
-        def row(method: str, passes: str, seconds: float, noise: dict[str, float], exact: dict[str, float] | None):
+        def kept_by(noise: dict[str, float]) -> set[str]:
             sqnr = {n: (200.0 if v <= 0 else -10 * math.log10(v)) for n, v in noise.items()}
-            kept = set(plan(sqnr, params, budget).kept)
-            per_param = [noise[n] / params[n] for n in params]
-            rho = spearman(per_param, [exact[n] / params[n] for n in params]) if exact else 1.0
-            same = len(kept & row.exact_kept) if exact else len(kept)
-            print(f"| {model_dir.name} | {method} | {passes} | {seconds:.0f} | {rho:.3f} | {len(kept)} ({same}) | "
-                  f"{mixed_sqnr(model_dir, kept, held_out):.2f} |", flush=True)
-            return kept
+            return set(plan(sqnr, params, budget).kept)
+
+        def row(method: str, passes: str, seconds: float, noise: dict[str, float]) -> None:
+            kept = kept_by(noise)
+            rho = spearman([noise[n] / params[n] for n in params], [exact[n] / params[n] for n in params])
+            print(f"| {model_dir.name} | {method} | {passes} | {seconds:.0f} | {rho:.3f} | {len(kept)} "
+                  f"({len(kept & exact_kept)}) | {mixed_sqnr(model_dir, kept, held_out):.2f} |", flush=True)
 
         t0 = time.perf_counter()
         exact = exact_noise(model, calibration)
-        row.exact_kept = set()
-        row.exact_kept = row("exact, one pass per linear", f"{len(params)} + 0", time.perf_counter() - t0, exact, None)
+        exact_kept = kept_by(exact)
+        row("exact, one pass per linear", f"{len(params)} + 0", time.perf_counter() - t0, exact)
         for probes in args.probes:
             t0 = time.perf_counter()
             estimate = probe_noise(model, calibration, probes)
-            row(f"{probes} random probes", f"{probes} + {probes}", time.perf_counter() - t0, estimate, exact)
+            row(f"{probes} random probes", f"{probes} + {probes}", time.perf_counter() - t0, estimate)
     return 0
 
 
