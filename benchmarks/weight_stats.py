@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -80,15 +79,6 @@ def table(stats: dict[str, dict[str, dict[str, float]]]) -> str:
                 f"({s['gaussian max/mean max']:.1f}) |"
             )
     return "\n".join(lines)
-
-
-def summary(classes: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Parameter-weighted median channel kurtosis and the largest channel kurtosis of a model."""
-    weights = [c["params"] for c in classes.values()]
-    return {
-        "kurtosis median": statistics.fmean([c["kurtosis median"] for c in classes.values()], weights=weights),
-        "kurtosis max": max(c["kurtosis max"] for c in classes.values()),
-    }
 
 
 def main() -> int:
