@@ -202,19 +202,29 @@ def section() -> str:
         return ""
     stored = json.loads(RESULTS_FILE.read_text())
     runs = stored["runs"]
-    names = [name for name, _, _ in next(iter(runs.values()))["stages"]]
+    names = list(dict.fromkeys(name for run in runs.values() for name, _, _ in run["stages"]))
+    if "plan" in names and "calibrate" in names:  # the recipe's plan stage runs just before calibration
+        names.remove("plan")
+        names.insert(names.index("calibrate"), "plan")
+
     def label(key: str, run: dict) -> str:
         if "label" in run:
             return run["label"]
+        quant, _, key = key.rpartition(":")
         shards, _, limit = key.partition("@")
         where = f" in a {limit} memory cgroup" if limit else ""
+        where += f", --quant {quant}" if quant else ""
         if shards.isdigit():
             return f"--shards {shards}{where}"
         chosen = re.match(r"(\d+) shard", run["memory_line"])
         return f"no memory flags{where} ({chosen.group(1) if chosen else '?'} shards chosen)"
 
+    def cell(run: dict, name: str) -> str:
+        found = [f"{s:.0f} / {gb:.1f}" for stage, s, gb in run["stages"] if stage == name]
+        return found[0] if found else "-"
+
     header = ["stage"] + [f"{label(key, run)}: wall s / peak GB" for key, run in runs.items()]
-    rows = [[name] + [f"{r['stages'][i][1]:.0f} / {r['stages'][i][2]:.1f}" for r in runs.values()] for i, name in enumerate(names)]
+    rows = [[name] + [cell(r, name) for r in runs.values()] for name in names]
     rows.append(["**total** (wall, process max RSS)"] + [f"{r['wall_s']:.0f} / {r['max_rss_gb']:.1f}" for r in runs.values()])
     rows.append(["cgroup peak GB (RSS + page cache charged)"] + [
         f"{r['cgroup_peak_gb']:.1f}" if r.get("cgroup_peak_gb") else "-" for r in runs.values()])
@@ -231,7 +241,7 @@ def section() -> str:
         f"Measured (benchmarks/e2b_full.py) on {stored['machine']}: the published multimodal layout (`model_type` "
         "gemma4 with `text_config`, text weights under `model.language_model.*`, vision and audio towers present and "
         "skipped, random bf16 weights, 5 safetensors shards with an index), `optimum-cli export qnn --model DIR "
-        "--output OUT --soc SM8650 --quant 16a4w_block [--max-seq-len 1024 --prefill-ar-len 128 --shards N --max-memory 23]` "
+        "--output OUT --soc SM8650 --quant 16a4w_block (or as named) [--max-seq-len 1024 --prefill-ar-len 128 --shards N --max-memory 23]` "
         "(the bracketed flags only in the --shards columns; 1024 and 128 are the defaults; peak GB: "
         "the stage's highest RSS sampled every 50 ms, including the shard compile workers' private memory; the total "
         "row's RSS is `/usr/bin/time`'s, the largest single process). One export at a time, nothing else running.\n\n"
@@ -264,6 +274,8 @@ def main() -> int:
     shards = next((args.extra[i + 1] for i, a in enumerate(args.extra[:-1]) if a == "--shards"), "auto")
     if args.memory_limit:
         shards += f"@{args.memory_limit:g}GB"
+    if args.quant != "16a4w_block":
+        shards = f"{args.quant}:{shards}"
     stored = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.is_file() else {"runs": {}}
     stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
     stored["runs"][shards] = {k: v for k, v in result.items() if k != "pte"}

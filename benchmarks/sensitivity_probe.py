@@ -5,7 +5,8 @@ linear rounded to 4 bits: one pass per linear, 277 whole-model passes at Gemma-4
 9). To first order the logits' change from linear i is ``J_i dW_i x``, and for a random vector ``v`` over the logits,
 ``E[(v . J_i dW_i x)^2] = |J_i dW_i x|^2``. One backward pass of ``v . logits`` gives ``v . J_i dW_i x`` for every
 linear at once (the gradient at the linear's output dotted with ``dW_i x``), so K probes estimate every linear's noise
-with K forward and backward passes, independent of the number of linears.
+with one forward and K backward passes, independent of the number of linears. The exporter's plan is this estimate
+(`mixed_precision.probe_sensitivity`); the script measures it against the exact one.
 
 This compares the two on a checkpoint (HF eager forward in fp32, 4 windows of 128 calibration tokens, every linear
 rounded as the quantizer rounds 4-bit block-64 weights): the rank correlation of noise per parameter, the linears
@@ -45,12 +46,6 @@ def linears_of(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def deltas_of(linears: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
-    from optimum_qnn.weight_search import block_of, fake_quantize_weight
-
-    return {n: fake_quantize_weight(m.weight, 4, block_of(m, BLOCK)) - m.weight.detach() for n, m in linears.items()}
-
-
 def logits_of(model: nn.Module, windows: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([model(input_ids=w.unsqueeze(0)).logits[0] for w in windows])
 
@@ -66,44 +61,14 @@ def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, floa
 
 
 def probe_noise(model: nn.Module, windows: list[torch.Tensor], probes: int, seed: int = 0) -> dict[str, float]:
-    """The same, estimated to first order from `probes` random-probe backward passes."""
-    linears = linears_of(model)
-    deltas = deltas_of(linears)
-    inputs: dict[str, torch.Tensor] = {}
-    sums = {name: 0.0 for name in linears}
-    handles = []
-    for name, linear in linears.items():
-        def keep(module, args, name=name):
-            inputs[name] = args[0].detach()
+    """The same, estimated to first order from `probes` random-probe backward passes, as the exporter's plan does
+    (`mixed_precision.probe_sensitivity`)."""
+    from optimum_qnn.mixed_precision import probe_sensitivity
+    from optimum_qnn.weight_search import block_of
 
-        def grad(module, grad_input, grad_output, name=name):
-            # v . J_i dW_i x: the gradient at the output dotted with the output's change, over all tokens.
-            change = inputs[name] @ deltas[name].T
-            sums[name] += float((grad_output[0] * change).sum())
-
-        handles += [linear.register_forward_pre_hook(keep), linear.register_full_backward_hook(grad)]
-    # Only activation gradients are needed: weights frozen, the token table kept trainable so activations carry grads.
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.get_input_embeddings().weight.requires_grad_(True)
-    gen = torch.Generator().manual_seed(seed)
-    squares = {name: 0.0 for name in linears}
-    power = 0.0
-    try:
-        for _ in range(probes):
-            for name in sums:
-                sums[name] = 0.0
-            logits = logits_of(model, windows)
-            power = float(logits.detach().double().pow(2).mean())
-            v = torch.randn(logits.shape, generator=gen)
-            model.zero_grad(set_to_none=True)
-            (logits * v).sum().backward()
-            for name in linears:
-                squares[name] += sums[name] ** 2 / probes
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: squares[name] / logits.numel() / power for name in linears}
+    sqnr = probe_sensitivity(model, linears_of(model), lambda: logits_of(model, windows), lambda m: block_of(m, BLOCK),
+                             probes=probes, seed=seed)
+    return {name: 0.0 if math.isinf(db) else 10 ** (-db / 10) for name, db in sqnr.items()}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -167,7 +132,7 @@ def main() -> int:
         for probes in args.probes:
             t0 = time.perf_counter()
             estimate = probe_noise(model, calibration, probes)
-            row(f"{probes} random probes", f"{probes} + {probes}", time.perf_counter() - t0, estimate)
+            row(f"{probes} random probes", f"1 + {probes}", time.perf_counter() - t0, estimate)
     return 0
 
 

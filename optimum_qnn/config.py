@@ -436,8 +436,8 @@ def _compile_override(pattern: object) -> re.Pattern:
 
 # Named recipes: a scheme plus the options that measured best together (benchmarks/QUANT_NOTES.md). `16a4w_e2b` is the
 # 4-bit phone recipe: 4-bit LPBQ weights (block 64), output-MSE weight ranges, and the most logit-sensitive quarter of
-# the linear weights at 8 bits. Measured on the demo and benchmark Gemma4s; at Gemma-4-E2B's size its plan does not
-# fit yet (the memory estimate refuses it, QUANT_NOTES.md section 9). GPTQ rounding measured worse on held-out text.
+# the linear weights (ranked by random-probe sensitivity) at 8 bits. Measured on the demo and benchmark Gemma4s and
+# exported at Gemma-4-E2B's full size (QUANT_NOTES.md section 9). GPTQ rounding measured worse on held-out text.
 RECIPES: dict[str, dict[str, object]] = {
     "16a4w_e2b": dict(
         quant=QuantScheme.A16W4_BLOCK, block_size=64, size_budget=SizeBudget(share=0.25),

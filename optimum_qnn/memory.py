@@ -90,10 +90,12 @@ class ParameterCounts:
     layers: tuple[int, ...]  # per decoder layer
     other: int  # norms, the per-layer input projection, an untied lm_head
     stored_bytes: int  # bytes per parameter in the checkpoint (bf16: 2)
-    # Sum over the HTP linears of in_features squared: the elements of their input Hessians (`X^T X`), which
-    # output-MSE weight ranges and GPTQ rounding gather for every 4-bit linear at once (float64).
+    # Sum over the HTP linears of in_features squared: the elements of their input Hessians (`X^T X`), which GPTQ
+    # rounding gathers for every 4-bit linear at once (float64).
     hessian_elements: int = 0
-    linears: int = 0  # HTP linears: a --size-budget plan runs the model once per linear
+    linears: int = 0  # HTP linears
+    linear_inputs: int = 0  # sum of their in_features: the plan's input rows for output-MSE ranges hold these
+    linear_outputs: int = 0  # sum of their out_features: the sensitivity probes hold outputs of these widths
 
     @classmethod
     def from_config(cls, text_config) -> "ParameterCounts":
@@ -103,7 +105,8 @@ class ParameterCounts:
         with torch.device("meta"):
             model = Gemma4ForCausalLM(text_config)
         token = per_layer = other = 0
-        in_features = [mod.in_features for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
+        linears = [mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
+        in_features = [mod.in_features for mod in linears]
         layers = [0] * text_config.num_hidden_layers
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -120,7 +123,8 @@ class ParameterCounts:
                 other += p.numel()
         dtype = str(getattr(text_config, "dtype", None) or "bfloat16").removeprefix("torch.")
         return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2),
-                   sum(n * n for n in in_features), len(in_features))
+                   sum(n * n for n in in_features), len(in_features), sum(in_features),
+                   sum(mod.out_features for mod in linears))
 
     def as_dict(self) -> dict[str, int]:
         return {"token_table": self.token_table, "per_layer_table": self.per_layer_table, "layers": sum(self.layers),
@@ -197,17 +201,31 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
             # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
             # an earlier pipeline: 7 layers in one shard wrote at 6.84 GB, in seven at 5.31).
             stages[name] += shard
-    if config.needs_input_hessians:
+    if config.size_budget is not None or config.needs_input_hessians:
         # Before calibration, on the float module: the calibrate stage's working set is an upper bound of the
-        # forward passes; the Hessians are held until the 4-bit weights are rounded.
-        stages = {"plan": stages["calibrate"] + hessian_gib(counts), **stages}
+        # forward passes; GPTQ's Hessians are held until the 4-bit weights are rounded.
+        stages = {"plan": stages["calibrate"] + plan_gib(counts, config), **stages}
         stages["calibrate"] += hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
 
 
 def hessian_gib(counts: ParameterCounts) -> float:
-    """GB of the float64 input Hessians that output-MSE ranges and GPTQ rounding hold (every linear's, at most)."""
+    """GB of the float64 input Hessians that GPTQ rounding holds (every linear's, at most)."""
     return counts.hessian_elements * 8 / GB_BYTES
+
+
+def plan_gib(counts: ParameterCounts, config: ExportConfig) -> float:
+    """GB the plan holds beyond a forward pass, one step after the other: the sensitivity probes (each linear's
+    4-bit output change and its gradient, float32, plus about as much again for the activations autograd keeps), then
+    the output-MSE search's input rows (float32), then GPTQ's Hessians. At most PLAN_SAMPLES x PLAN_SAMPLE_TOKENS
+    tokens (`ptq`), counted in full."""
+    from optimum_qnn.ptq import PLAN_SAMPLE_TOKENS, PLAN_SAMPLES
+
+    tokens = PLAN_SAMPLES * PLAN_SAMPLE_TOKENS
+    probes = 3 * tokens * counts.linear_outputs * 4 / GB_BYTES if config.size_budget is not None else 0.0
+    rows = tokens * counts.linear_inputs * 4 / GB_BYTES if config.weight_ranges is WeightRanges.OUTPUT_MSE else 0.0
+    hessians = hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
+    return max(probes, rows, hessians)
 
 
 @dataclass(frozen=True)
@@ -349,18 +367,16 @@ def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, ev
                              dataclasses.replace(config, embedding_quant=EmbeddingQuant(4, 0)), evaluate))
     if evaluate:
         alternatives.append(("dropping --evaluate (it keeps the float32 model resident)", config, False))
-    if config.needs_input_hessians:
-        plan_note = (f"; a --size-budget plan alone holds none, but runs the model once per linear, {counts.linears} "
-                     "times" if config.size_budget is not None else "")
+    if config.weight_rounding is WeightRounding.GPTQ:
         alternatives.append((
-            f"--weight-ranges minmax --weight-rounding nearest (output-MSE ranges and GPTQ hold every linear's input "
-            f"Hessian, {hessian_gib(counts):.1f} GB at this model's widths{plan_note})",
-            dataclasses.replace(config, weight_ranges=WeightRanges.MINMAX, weight_rounding=WeightRounding.NEAREST),
-            evaluate))
-        if config.size_budget is not None:
-            plain = dataclasses.replace(config, recipe=None, size_budget=None, weight_ranges=WeightRanges.MINMAX,
-                                        weight_rounding=WeightRounding.NEAREST)
-            alternatives.append((f"--quant {config.quant.value} with no plan (no sensitivity passes)", plain, evaluate))
+            f"--weight-rounding nearest (GPTQ holds every 4-bit linear's input Hessian, {hessian_gib(counts):.1f} GB "
+            "at this model's widths)",
+            dataclasses.replace(config, weight_rounding=WeightRounding.NEAREST), evaluate))
+    if config.size_budget is not None or config.weight_ranges is WeightRanges.OUTPUT_MSE:
+        plain = dataclasses.replace(config, recipe=None, size_budget=None, weight_ranges=WeightRanges.MINMAX,
+                                    weight_rounding=WeightRounding.NEAREST)
+        alternatives.append((f"--quant {config.quant.value} with no plan (no sensitivity probes, min-max ranges)",
+                             plain, evaluate))
     for flag, variant, evaluates in alternatives:
         peak = estimate(counts, variant, shards, evaluate=evaluates).peak
         if peak < est.peak - 0.05:

@@ -24,10 +24,9 @@ logger = logging.getLogger(__name__)
 # Below this many calibration tokens the activation ranges come from a handful of rows (the built-in sentences
 # give about 120 with the demo tokenizer).
 _MIN_CALIBRATION_TOKENS = 64
-# The sensitivity of each linear is measured on the first samples, each cut to at most this many tokens: one eager
-# run of them per linear (51 runs, 29 s, on the demo model, whose samples are shorter than the cut; the cut bounds
-# the cost on a model of Gemma-4-E2B's ~250 linears and 1024-token samples).
-SENSITIVITY_SAMPLES, SENSITIVITY_SAMPLE_TOKENS = 4, 128
+# The plan (sensitivity probes and the output-MSE range search) runs on the first samples, each cut to at most this
+# many tokens: 512 tokens bound its cost and memory at Gemma-4-E2B's widths (QUANT_NOTES.md section 9).
+PLAN_SAMPLES, PLAN_SAMPLE_TOKENS = 4, 128
 
 
 def calibration_sequences(static, tokenizer, texts: list[str], calibrate_on: str) -> list[list[int]]:
@@ -127,30 +126,43 @@ def quantize_static(
 
 def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate_on: str):
     """The mixed-precision plan (None without a size budget), per-linear 4-bit clip factors ({} for min-max) and the
-    input Hessians of the 4-bit linears for GPTQ ({} without it: the clips' Hessians are not held past the plan)."""
+    input Hessians of the 4-bit linears for GPTQ ({} without it). The plan and the clips look at the first
+    PLAN_SAMPLES samples; GPTQ's Hessians gather every calibration sample."""
     from optimum_qnn import mixed_precision, weight_search
 
     scheme_block = config.block_size if config.quant is QuantScheme.A16W4_BLOCK else None
     linears = mixed_precision.htp_linears(static.module)
-    session = static.session()
+    samples = [seq[:PLAN_SAMPLE_TOKENS] for seq in seqs[:PLAN_SAMPLES]]
     plan = None
     if config.size_budget is not None:
-        samples = [seq[:SENSITIVITY_SAMPLE_TOKENS] for seq in seqs[:SENSITIVITY_SAMPLES]]
-        sensitivity = mixed_precision.measure_sensitivity(
-            linears, lambda: torch.cat(_feed(session, calibrate_on, samples)),
+        sensitivity = mixed_precision.probe_sensitivity(
+            static.module, linears, lambda: torch.cat(_feed(_probe_session(static), calibrate_on, samples)),
             lambda linear: weight_search.block_of(linear, scheme_block),
-            progress=lambda names: tqdm(names, desc="Measuring sensitivity", unit="linear"),
+            progress=lambda steps: tqdm(steps, desc="Probing sensitivity", unit="probe"),
         )
         plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget)
         logger.info("%s", plan.table())
+    kept = set(plan.kept) if plan is not None else set()
+    searched = {n: m for n, m in linears.items() if n not in kept}
+    session = static.session()
     clips, hessians = {}, {}
-    if config.needs_input_hessians:
-        kept = set(plan.kept) if plan is not None else set()
-        searched = {n: m for n, m in linears.items() if n not in kept}
-        hessians = weight_search.input_hessians(searched, lambda: _feed(session, calibrate_on, seqs))
     if config.weight_ranges is WeightRanges.OUTPUT_MSE:
+        rows = weight_search.input_rows(searched, lambda: _feed(session, calibrate_on, samples))
         clips = {
-            n: weight_search.output_mse_clips(m, hessians[n], weight_search.block_of(m, scheme_block))
-            for n, m in searched.items()
+            n: weight_search.output_mse_clips(m, rows.pop(n), weight_search.block_of(m, scheme_block))
+            for n, m in tqdm(searched.items(), desc="Searching 4-bit ranges", unit="linear")
         }
-    return plan, clips, hessians if config.weight_rounding is WeightRounding.GPTQ else {}
+    if config.weight_rounding is WeightRounding.GPTQ:
+        hessians = weight_search.input_hessians(searched, lambda: _feed(session, calibrate_on, seqs))
+    return plan, clips, hessians
+
+
+def _probe_session(static) -> KVSession:
+    """A KV session that runs the float module with autograd on. Each call's inputs are copies (the session rewrites
+    its buffers in place between calls) and its new K/V leave detached, so a probe's gradient stays within a call."""
+
+    def run(inputs):
+        outputs = static.module(*[t.clone() for t in inputs])
+        return [outputs[0], *(o.detach() for o in outputs[1:])]
+
+    return KVSession(static.contract, {m.name: run for m in static.contract.methods})

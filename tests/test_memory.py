@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, SizeBudget, WeightRounding, recipe_fields
+from optimum_qnn.config import (
+    EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, WeightRanges, WeightRounding, recipe_fields,
+)
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.memory import (
     FIT_ERROR_GB,
@@ -265,21 +267,25 @@ def test_export_prints_its_choice_before_loading(random_model_dir, tmp_path, mon
     assert line.startswith(f"Memory: 1 shard(s) chosen for budget 8.0 GB (--max-memory); estimated peak {peak:.1f} GB")
 
 
-def test_output_mse_ranges_and_gptq_count_their_hessians(e2b):
-    """Both gather every 4-bit linear's float64 input Hessian before calibration: 31.5 GB at E2B's widths (the
-    double-wide down projections alone, 12288 inputs, are 1.1 GB each), so the recipe is refused there up front."""
+def test_the_recipe_plan_and_gptq_count_what_they_hold(e2b):
+    """The recipe's plan holds, on 512 tokens, each linear's 4-bit output change and its gradient plus what autograd
+    keeps (3 x 1.21 M output channels, float32: 6.9 GB at E2B's widths), then the output-MSE search's input rows
+    (0.70 M input channels: 1.3 GB), one after the other. GPTQ holds every float64 input Hessian (31.5 GB) until
+    the rounding, so it is refused on a 16 GB budget and the refusal names the flag that lifts it."""
+    assert (e2b.linears, e2b.linear_inputs, e2b.linear_outputs) == (277, 697088, 1212416)
     assert e2b.hessian_elements * 8 / 2**30 == pytest.approx(31.5, abs=0.05)
     plain = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK), 7)
     recipe = estimate(e2b, ExportConfig(**recipe_fields("16a4w_e2b")), 7)
     assert "plan" not in plain.stages and recipe.peak_stage == "plan"
-    assert recipe.stages["plan"] == pytest.approx(plain.stages["calibrate"] + 31.5, abs=0.06)
+    assert recipe.stages["plan"] == pytest.approx(plain.stages["calibrate"] + 3 * 512 * 1212416 * 4 / 2**30, abs=0.01)
+    ranges_only = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK, weight_ranges=WeightRanges.OUTPUT_MSE), 7)
+    assert ranges_only.stages["plan"] == pytest.approx(plain.stages["calibrate"] + 512 * 697088 * 4 / 2**30, abs=0.01)
     gptq = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK, weight_rounding=WeightRounding.GPTQ), 7)
+    assert gptq.stages["plan"] == pytest.approx(plain.stages["calibrate"] + 31.5, abs=0.06)
     assert gptq.stages["calibrate"] == pytest.approx(gptq.stages["plan"], abs=0.01)  # held until the rounding
     with pytest.raises(InvalidInputError) as info:
-        choose_memory_plan(e2b, ExportConfig(**recipe_fields("16a4w_e2b"), max_memory=16))
+        choose_memory_plan(e2b, dataclasses.replace(ExportConfig(**recipe_fields("16a4w_e2b"), max_memory=16),
+                                                    weight_rounding=WeightRounding.GPTQ))
     message = str(info.value)
-    assert "(plan stage" in message and "input Hessian, 31.5 GB" in message
-    assert "runs the model once per linear, 277 times" in message and e2b.linears == 277
-    assert "--quant 16a4w_block with no plan (no sensitivity passes)" in message
-    fallback = estimate(e2b, ExportConfig(quant=QuantScheme.A16W4_BLOCK, size_budget=SizeBudget(share=0.25)), 35)
-    assert f"estimated peak {fallback.peak:.1f} GB" in message
+    assert "(plan stage" in message and "--weight-rounding nearest (GPTQ holds every 4-bit linear's input Hessian, 31.5 GB" in message
+    assert f"estimated peak {recipe.peak:.1f} GB" in message
