@@ -142,6 +142,21 @@ def measure_sensitivity(
     return out
 
 
+class _StoredWeightLinear(torch.autograd.Function):
+    """A linear whose backward keeps the weight as stored: F.linear on an upcast copy (bf16 weights of `weights.
+    UpcastLinear`) would keep every fp32 copy alive for the backward passes (9 GB at Gemma-4-E2B's size)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype), None, None
+
+
 # Random probes of the logits' gradient per sensitivity estimate (rank correlation with the exact measure: 0.95 at
 # 8, 0.96 at 32 on the demo and benchmark models).
 PROBES = 8
@@ -194,6 +209,8 @@ def probe_sensitivity(
 
     frozen = {p: p.requires_grad for p in model.parameters()}
     handles = [m.register_forward_hook(hook(name)) for name, m in linears.items()]
+    for m in linears.values():  # an instance attribute, deleted below: the class's forward is untouched
+        m.forward = lambda x, m=m: _StoredWeightLinear.apply(x, m.weight, m.bias)
     try:
         for p in frozen:
             p.requires_grad_(False)  # only activation gradients: no weight gradients, no inputs saved for them
@@ -202,6 +219,8 @@ def probe_sensitivity(
     finally:
         for handle in handles:
             handle.remove()
+        for m in linears.values():
+            del m.forward
         for p, flag in frozen.items():
             p.requires_grad_(flag)
     power = float(logits.detach().double().pow(2).mean())

@@ -157,6 +157,45 @@ def test_probe_sensitivity_estimates_the_exact_measure():
     assert model.loud.weight.requires_grad and model.gain.requires_grad and not model.quiet.weight.requires_grad
 
 
+class _Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(64, 64, bias=False)
+        self.second = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_probes_keep_bf16_weights_as_stored():
+    """With bf16 weights upcast in the graph (weights.UpcastLinear), the probes give what they give in fp32 and keep no
+    fp32 copy of a weight for the backward passes; the linears' own forward is back afterwards."""
+    from optimum_qnn.mixed_precision import htp_linears, probe_sensitivity
+    from optimum_qnn.weights import UpcastLinear, upcast_in_graph
+
+    torch.manual_seed(0)
+    model = _Chain().to(torch.bfloat16)
+    as_fp32 = _Chain()
+    as_fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    upcast_in_graph(model)
+    assert isinstance(model.second, UpcastLinear) and model.second.weight.dtype == torch.bfloat16
+    x = torch.randn(32, 64)
+    saved = []
+
+    def run():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            return model(x)
+
+    got = probe_sensitivity(model, htp_linears(model), run, lambda linear: 64, probes=64)
+    want = probe_sensitivity(as_fp32, htp_linears(as_fp32), lambda: as_fp32(x), lambda linear: 64, probes=64)
+    assert got == pytest.approx(want, abs=1e-3)
+    # The second linear's backward keeps its weight as stored (bf16), not a float32 copy.
+    assert any(t.dtype == torch.bfloat16 and t.shape == (64, 64) for t in saved)
+    assert not any(t.dtype == torch.float32 and t.shape == (64, 64) for t in saved), [(t.dtype, t.shape) for t in saved]
+    assert "forward" not in vars(model.second)
+    assert torch.equal(model(x), model.second(torch.tanh(model.first(x))))
+
+
 def test_input_rows_share_one_chunk_per_input_tensor():
     from optimum_qnn.weight_search import input_rows
 
