@@ -78,7 +78,7 @@ class QuantRecipeRow:
 class LinearPlanRow:
     module: str
     params: int
-    sqnr_db: float  # logits SQNR with only this linear at 4 bits, on the calibration text
+    sqnr_db: float  # logits SQNR with only this linear at 4 bits, on the calibration text (random-probe estimate)
     kept: bool  # kept at the plan's higher precision
 
 

@@ -88,10 +88,10 @@ class MixedPlan:
         lines = [
             f"Mixed precision within --size-budget {self.budget}: {len(self.kept)} of {len(self.rows)} linears "
             f"({self.kept_share:.1%} of their weights) kept at {self.high.value}",
-            f"{'linear':<44} {'params':>9} {'SQNR dB alone at 4 bit':>22}  plan",
+            f"{'linear':<44} {'params':>9} {'SQNR dB alone at 4 bit (est.)':>30}  plan",
         ]
         lines += [
-            f"{r.module:<44} {r.params:>9} {r.sqnr_db:>22.1f}  {self.high.value if r.kept else '4-bit'}"
+            f"{r.module:<44} {r.params:>9} {r.sqnr_db:>30.1f}  {self.high.value if r.kept else '4-bit'}"
             for r in self.rows
         ]
         return "\n".join(lines)
