@@ -50,6 +50,11 @@ def logits_of(model: nn.Module, windows: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([model(input_ids=w.unsqueeze(0)).logits[0] for w in windows])
 
 
+def noise_of(sqnr: dict[str, float]) -> dict[str, float]:
+    """Logits SQNR in dB -> noise power over the logits' power (0 where rounding changed nothing)."""
+    return {name: 0.0 if math.isinf(db) else 10 ** (-db / 10) for name, db in sqnr.items()}
+
+
 def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, float]:
     """Each linear alone at 4 bits: the logits' noise power over their power, measured as the exporter's plan does
     (`mixed_precision.measure_sensitivity`)."""
@@ -57,7 +62,7 @@ def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, floa
     from optimum_qnn.weight_search import block_of
 
     sqnr = measure_sensitivity(linears_of(model), lambda: logits_of(model, windows), lambda m: block_of(m, BLOCK))
-    return {name: 0.0 if math.isinf(db) else 10 ** (-db / 10) for name, db in sqnr.items()}
+    return noise_of(sqnr)
 
 
 def probe_noise(model: nn.Module, windows: list[torch.Tensor], probes: int, seed: int = 0) -> dict[str, float]:
@@ -68,7 +73,7 @@ def probe_noise(model: nn.Module, windows: list[torch.Tensor], probes: int, seed
 
     sqnr = probe_sensitivity(model, linears_of(model), lambda: logits_of(model, windows), lambda m: block_of(m, BLOCK),
                              probes=probes, seed=seed)
-    return {name: 0.0 if math.isinf(db) else 10 ** (-db / 10) for name, db in sqnr.items()}
+    return noise_of(sqnr)
 
 
 def spearman(a: list[float], b: list[float]) -> float:

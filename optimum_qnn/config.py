@@ -407,9 +407,11 @@ class ExportConfig:
         return shard_starts(num_layers, self.shards)
 
     @property
-    def needs_input_hessians(self) -> bool:
-        """Whether the export gathers the 4-bit linears' input Hessians: output-MSE ranges and GPTQ rounding do."""
-        return self.weight_ranges is WeightRanges.OUTPUT_MSE or self.weight_rounding is WeightRounding.GPTQ
+    def has_plan_stage(self) -> bool:
+        """Whether the export plans its 4-bit weights on the float module before calibration: a mixed-precision
+        plan, output-MSE ranges and GPTQ rounding do (`ptq._plan_weights`)."""
+        return (self.size_budget is not None or self.weight_ranges is WeightRanges.OUTPUT_MSE
+                or self.weight_rounding is WeightRounding.GPTQ)
 
     @property
     def quant_tag(self) -> str:

@@ -201,7 +201,7 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
             # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
             # an earlier pipeline: 7 layers in one shard wrote at 6.84 GB, in seven at 5.31).
             stages[name] += shard
-    if config.size_budget is not None or config.needs_input_hessians:
+    if config.has_plan_stage:
         # Before calibration, on the float module: the calibrate stage's working set is an upper bound of the
         # forward passes; GPTQ's Hessians are held until the 4-bit weights are rounded.
         stages = {"plan": stages["calibrate"] + plan_gib(counts, config), **stages}

@@ -9,11 +9,12 @@ input projections, layer 0's attention, the KV-producing k/v projections) cost f
 Each linear's effect is its weight rounded to 4 bits as the quantizer would (`weight_search.fake_quantize_weight`),
 every other weight float, as the noise power it adds to the logits over their power (the inverse of an SQNR).
 `measure_sensitivity` measures it exactly, one run of the calibration samples per linear: 51 runs on the demo
-model, 277 on Gemma-4-E2B, whose runs of 512 tokens are about 2.3 TFLOP each (an estimate: 15 s here). The exporter estimates it instead
-(`probe_sensitivity`): to first order the logits move by ``J_i dW_i x`` and, for a random Gaussian ``v`` over the
-logits, ``E[(v . J_i dW_i x)^2] = |J_i dW_i x|^2``. One backward pass of ``v . logits`` gives the gradient at every
-linear's output, and its dot product with ``dW_i x`` is ``v . J_i dW_i x`` for all linears at once: 8 probes cost
-one forward and 8 backward passes whatever the number of linears. Measured against the exact plan
+model, 277 on Gemma-4-E2B, whose runs of 512 tokens are about 2.3 TFLOP each (an estimate: 15 s here). The
+exporter estimates it instead (`probe_sensitivity`): to first order the logits move by ``J_i dW_i x`` and, for a
+random Gaussian ``v`` over the logits, ``E[(v . J_i dW_i x)^2] = |J_i dW_i x|^2``. One backward pass of
+``v . logits`` gives the gradient at every linear's output, and its dot product with ``dW_i x`` is
+``v . J_i dW_i x`` for all linears at once: 8 probes cost one forward and 8 backward passes whatever the number of
+linears. Measured against the exact plan
 (benchmarks/sensitivity_probe.py, QUANT_NOTES.md section 10): rank correlation 0.95-0.96 of noise per parameter,
 and the plans' held-out SQNR within 0.02 dB (demo) and 0.19 dB (benchmark model).
 """
@@ -188,19 +189,19 @@ def probe_sensitivity(
     """
     leaves: list[torch.Tensor] = []  # outputs of the first linears on each path, where the probes' gradients end
     dots = dict.fromkeys(linears, 0.0)  # per probe: v . J_i dW_i x, summed over the calls of linear i
+    inputs: dict[str, list[torch.Tensor]] = {name: [] for name in linears}  # per call: the input rows
+    changes: dict[str, list[torch.Tensor]] = {}  # per call: the output's 4-bit change dW_i x, flattened
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            weight = module.weight.detach().float()
-            with torch.no_grad():
-                delta = fake_quantize_weight(weight, 4, block_of(module)) - weight
-                change = (args[0].detach().float() @ delta.T).to(output.dtype).reshape(-1)
+            call = len(inputs[name])
+            inputs[name].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
             if not output.requires_grad:
                 output = output.detach().requires_grad_()
                 leaves.append(output)
 
             def dot(grad: torch.Tensor) -> None:  # the gradient is used here and freed: no probe holds them all
-                dots[name] += float(torch.dot(grad.reshape(-1), change))
+                dots[name] += float(torch.dot(grad.reshape(-1).float(), changes[name][call]))
 
             output.register_hook(dot)
             return output
@@ -223,6 +224,14 @@ def probe_sensitivity(
             del m.forward
         for p, flag in frozen.items():
             p.requires_grad_(flag)
+    with torch.no_grad():  # each weight rounded once, however many calls the samples took (a token each in kv mode)
+        for name, module in linears.items():
+            rows = inputs.pop(name)
+            if rows:
+                weight = module.weight.detach().float()
+                delta = fake_quantize_weight(weight, 4, block_of(module)) - weight
+                change = (rows[0] if len(rows) == 1 else torch.cat(rows)) @ delta.T
+                changes[name] = [c.reshape(-1) for c in change.split([r.shape[0] for r in rows])]
     power = float(logits.detach().double().pow(2).mean())
     gen = torch.Generator().manual_seed(seed)
     squares = dict.fromkeys(linears, 0.0)
@@ -236,6 +245,7 @@ def probe_sensitivity(
             for name, dot in dots.items():
                 squares[name] += dot * dot / probes
     leaves.clear()
+    changes.clear()
     ratios = {name: square / logits.numel() / power for name, square in squares.items()}
     return {name: math.inf if ratio == 0 else -10 * math.log10(ratio) for name, ratio in ratios.items()}
 

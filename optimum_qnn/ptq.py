@@ -89,7 +89,7 @@ def quantize_static(
     calibrate_on = PREFILL_METHOD if PREFILL_METHOD in programs else DECODE_METHOD
     seqs = calibration_sequences(static, tokenizer, texts, calibrate_on)
     mixed_plan, clips, hessians = None, {}, {}
-    if config.size_budget is not None or config.needs_input_hessians:
+    if config.has_plan_stage:
         with stage("plan"):
             mixed_plan, clips, hessians = _plan_weights(static, config, seqs, calibrate_on)
     overrides = dict(config.overrides)

@@ -75,9 +75,13 @@ def block_of(linear: nn.Linear, scheme_block: int | None) -> int | None:
     return None if scheme_block is None else lpbq_block_size(linear.in_features, scheme_block)
 
 
-def _watch_inputs(linears: Mapping[str, nn.Module], run: Callable[[], None], seen: Callable[[str, torch.Tensor], None]) -> None:
+def _watch_inputs(
+    linears: Mapping[str, nn.Module], run: Callable[[], None], seen: Callable[[str, torch.Tensor], None]
+) -> None:
     """Call `seen(name, input)` for every call of each linear while `run` feeds the module (no autograd)."""
-    handles = [m.register_forward_pre_hook(lambda module, args, name=name: seen(name, args[0])) for name, m in linears.items()]
+    handles = [
+        m.register_forward_pre_hook(lambda module, args, name=name: seen(name, args[0])) for name, m in linears.items()
+    ]
     try:
         with torch.no_grad():
             run()
