@@ -402,16 +402,28 @@ def convert(prepared: torch.fx.GraphModule, memo: dict | None = None) -> torch.f
     return graph
 
 
-def _observer_key(node: torch.fx.Node, observer: nn.Module) -> tuple[str, str]:
+def _observed_name(node: torch.fx.Node) -> str:
+    """The graph node an observer call watches, through observers of observers (whose names are numbered in
+    graph order and so differ between graphs of different length)."""
     observed = node.args[0]
-    return (observed.name if isinstance(observed, torch.fx.Node) else repr(observed), type(observer).__name__)
+    while isinstance(observed, torch.fx.Node) and observed.op == "call_module" and observed.target.startswith(
+        "activation_post_process_"
+    ):
+        observed = observed.args[0]
+    return observed.name if isinstance(observed, torch.fx.Node) else repr(observed)
+
+
+def _observer_key(node: torch.fx.Node, observer: nn.Module) -> tuple[str, str]:
+    return _observed_name(node), type(observer).__name__
 
 
 def copy_observer_state(source: torch.fx.GraphModule, target: torch.fx.GraphModule) -> int:
     """Copy every observer's statistics from one prepared graph to another of the same topology.
 
     The two graphs are traced from the same module with different static shapes (prefill / decode): observers
-    pair up in graph order and must observe nodes of the same name. Buffers (`min_val`, `max_val`, ...) and the
+    pair up in graph order and must observe nodes of the same name. The source may observe nodes the target does
+    not have at all (a prefill call longer than the sliding window closes its own out-of-window columns with one
+    more op, `ops.mask.window_band`); those observers are left out. Buffers (`min_val`, `max_val`, ...) and the
     plain attributes some observers keep instead (ExecuTorch's per-block weight observer) are copied;
     references to graph nodes (ExecuTorch's concat observer) are not.
 
@@ -421,7 +433,9 @@ def copy_observer_state(source: torch.fx.GraphModule, target: torch.fx.GraphModu
     Raises:
         ValueError: when the graphs' observers do not pair up (naming the first mismatch).
     """
-    pairs_src, pairs_dst = _observers(source), _observers(target)
+    target_nodes = {node.name for node in target.graph.nodes}
+    pairs_dst = _observers(target)
+    pairs_src = [(n, o) for n, o in _observers(source) if _observed_name(n) in target_nodes]
     keys_src = [_observer_key(n, o) for n, o in pairs_src]
     keys_dst = [_observer_key(n, o) for n, o in pairs_dst]
     if keys_src != keys_dst:

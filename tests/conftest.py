@@ -161,3 +161,55 @@ def cli_16a8w_export(demo_model_dir, tmp_path_factory, run_python):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+# --- a sliding window shorter than the prefill chunk (ExecuTorch's runner applies the window to past columns only) --
+
+WINDOW7_CTX, WINDOW7 = 64, 7
+
+
+@pytest.fixture(scope="session")
+def window7_model_dir(demo_model_dir, tmp_path_factory) -> Path:
+    """The demo model with its sliding window cut from 16 to 7 tokens (same weights and tokenizer): a valid Gemma4
+    config whose window is shorter than a prefill chunk of 8."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("window7") / "model"
+    shutil.copytree(demo_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["sliding_window"] = WINDOW7
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
+    """Hybrid exports of the window-7 model, context 64, weights not shared, built on first use:
+    (quant, prefill_ar_len) -> artifact folder. 16a8w is calibrated on 8 corpus paragraphs and keeps uint16 IO."""
+    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.export import export
+
+    import tiny_gemma4  # on sys.path through the demo_model_dir fixture
+
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(quant: str, ar_len: int) -> Path:
+        if (quant, ar_len) not in built:
+            out = tmp_path_factory.mktemp(f"window7-{quant}-ar{ar_len}")
+            scheme = QuantScheme.parse(quant)
+            config = ExportConfig(
+                socs=(Soc.SM8650,), quant=scheme, mode=ExportMode.HYBRID, shapes=ShapeConfig(WINDOW7_CTX, ar_len),
+                embedding_quant=EmbeddingQuant(0, 0) if scheme is QuantScheme.FP16 else EmbeddingQuant(8, 0),
+                weight_sharing=False,
+            )
+            calibration = None
+            if scheme is not QuantScheme.FP16:
+                calib = out.parent / "calib.txt"
+                calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
+                calibration = CalibrationSource(file=calib, limit=8)
+            export(window7_model_dir, out, config, calibration=calibration)
+            built[quant, ar_len] = out
+        return built[quant, ar_len]
+
+    return get

@@ -448,3 +448,24 @@ def test_real_runner_generates_the_emulator_tokens(which, request, x86_phone, de
               f"load {report.model_load_s:.1f} s")
         assert got.tolist() == want.tolist(), (which, len(prompt), report.text)
         assert phone_model.stats.new_tokens == want.shape[1] - len(prompt) and phone_model.stats.decode_tokens_per_s > 0
+
+
+@real_runner
+@pytest.mark.parametrize(("quant", "ar_len"), [
+    ("fp16", 4), ("fp16", 8), pytest.param("16a8w", 4, marks=pytest.mark.slow), ("16a8w", 8),
+])
+def test_real_runner_with_a_prefill_chunk_longer_than_the_window(quant, ar_len, window7_export, x86_phone):
+    """Issue 33: over a sliding window of 7, prefill chunks of 4 and 8, prompts of 24 and 4 tokens: ExecuTorch's
+    runner (which applies the window to past columns only) generates the host's greedy tokens."""
+    from tests.test_window_chunks import PROMPTS
+
+    root = window7_export(quant, ar_len)
+    phone_model = QNNModelForCausalLM.from_pretrained(root, device="adb", runner=REAL_RUNNER, qnn_sdk_root=x86_phone,
+                                                      shared_buffer=False)
+    host = QNNModelForCausalLM.from_pretrained(root)
+    for n in (24, 4):
+        prompt = PROMPTS[n]
+        got = phone_model.generate(prompt, max_new_tokens=16)
+        want = host.generate(prompt, max_new_tokens=16, eos_token_id=sorted(phone_model.runner_stop_ids))
+        print(f"{quant} chunk {ar_len} prompt {n}: runner {got.shape[1] - n} tokens, equal={got.tolist() == want.tolist()}")
+        assert got.tolist() == want.tolist(), (quant, ar_len, n, phone_model.report.text)

@@ -70,3 +70,19 @@ def attention_mask(
     mask = torch.full((ar_len, context_len), MASK_MIN, dtype=dtype)
     mask.masked_fill_(allowed, 0.0)
     return mask.view(1, 1, ar_len, context_len)
+
+
+def window_band(ar_len: int, context_len: int, window: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The sliding window among one call's own tokens: MASK_MIN where row i meets column ``C - ar_len + c`` with
+    ``i - c >= window``, 0 everywhere else (every cache column included).
+
+    ``torch.minimum(mask, window_band(...))`` closes, in any mask, the call's own columns that lie outside the window
+    and leaves the rest as it was. ExecuTorch's ``qnn_llama_runner`` opens a call's own columns causally and applies
+    the window to past columns only (``KVManager::init_attention_mask``), so a prefill graph whose call is longer than
+    the window applies this band itself; with ``ar_len <= window`` the band is all zeros and is never built.
+    """
+    rows = torch.arange(ar_len).unsqueeze(1)
+    cols = torch.arange(ar_len).unsqueeze(0)
+    band = torch.zeros((ar_len, context_len), dtype=dtype)
+    band[:, context_len - ar_len :].masked_fill_((rows - cols) >= window, MASK_MIN)
+    return band.view(1, 1, ar_len, context_len)

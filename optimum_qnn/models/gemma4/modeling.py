@@ -57,7 +57,8 @@ class StaticCausalLM:
         ar_lens = {DECODE_METHOD: 1}
         if ar_len is not None and ar_len > 1:
             ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: 1}
-        module, report = apply_swaps(hf_model, SWAPS, StaticOptions(max_context_len=max_context_len, quantized=quantized))
+        options = StaticOptions(max_context_len=max_context_len, quantized=quantized, ar_lens=tuple(ar_lens.values()))
+        module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)
         contract = RunnerContract.build(

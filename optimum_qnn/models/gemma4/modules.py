@@ -22,6 +22,7 @@ from transformers.models.gemma4 import modeling_gemma4 as hf
 from optimum_qnn.contract import AttentionKind, LayerSpec
 from optimum_qnn.errors import UnsupportedModelError
 from optimum_qnn.ops.attention import static_gqa
+from optimum_qnn.ops.mask import window_band
 from optimum_qnn.ops.rope import apply_rope, gather_rope
 from optimum_qnn.ops.softcap import softcap
 from optimum_qnn.swap import SWAPS, SwapContext
@@ -47,6 +48,9 @@ class StaticOptions:
     max_context_len: int
     # The graph will be PT2E-quantized: a few ops take the form the HTP computes correctly at that precision.
     quantized: bool = False
+    # Tokens per call of each method: a call longer than the sliding window closes its own out-of-window columns
+    # inside the graph (``ops.mask.window_band``).
+    ar_lens: tuple[int, ...] = (1,)
 
 
 class StaticRMSNorm(nn.Module):
@@ -238,6 +242,15 @@ class StaticGemma4TextModel(nn.Module):
             self.per_layer_projection_norm = ctx.swap(model.per_layer_projection_norm, "per_layer_projection_norm")
             self.per_layer_model_projection_scale = model.per_layer_model_projection_scale
             self.per_layer_input_scale = model.per_layer_input_scale
+        # ExecuTorch's runner applies the window to past columns only; a call longer than the window closes its own
+        # out-of-window columns here, so any runner's mask gives the Hugging Face attention (ops.mask.window_band).
+        self.window_bands: set[int] = set()
+        if any(spec.attention is AttentionKind.SLIDING for spec in self.layer_specs):
+            for ar in sorted(set(ctx.options.ar_lens)):
+                if ar > cfg.sliding_window:
+                    band = window_band(ar, ctx.options.max_context_len, cfg.sliding_window)
+                    self.register_buffer(f"window_band_{ar}", band, persistent=False)
+                    self.window_bands.add(ar)
 
     def per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The PLE signal ``[1, ar, layers, ple_dim]``: token lookup plus normalised projection, times 2**-0.5."""
@@ -259,6 +272,8 @@ class StaticGemma4TextModel(nn.Module):
         h = self.embed_tokens(tokens)
         ple = self.per_layer_inputs(tokens, h) if self.ple_dim else None
         rope = {kind: self.rope(input_pos, kind) for kind in {spec.attention for spec in self.layer_specs}}
+        if tokens.shape[1] in self.window_bands:
+            sliding_atten_mask = torch.minimum(sliding_atten_mask, getattr(self, f"window_band_{tokens.shape[1]}"))
         masks = {AttentionKind.FULL: atten_mask, AttentionKind.SLIDING: sliding_atten_mask}
         full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         k_out: list[torch.Tensor] = []
