@@ -72,12 +72,15 @@ def test_doctor_reports_libraries_backend_and_runnable_artifacts(run_python, art
     out = result.stdout
     assert f"build id      {BUILD_ID_PREFIX}." in out
     assert "source        onnxruntime-qnn==2.5.0" in out
-    assert f"QNN_SDK_ROOT  {cache / 'qnn-sdk' / '2.5.0'}" in out
+    from optimum_qnn.sdk.finding import cache_name, find_package_dir
+
+    root = cache / "qnn-sdk" / cache_name("2.5.0", find_package_dir("onnxruntime_qnn"))
+    assert f"QNN_SDK_ROOT  {root}" in out
     assert "onnxruntime_qnn" in out  # the libraries' real folder
     assert "QNN backend  registered" in out and "QnnBackend" in out
     for soc in Soc:
         assert f"{soc.value}  HTP v{soc.htp_arch}" in out
-    assert (cache / "qnn-sdk" / "2.5.0" / "lib" / "x86_64-linux-clang" / "libQnnHtp.so").is_file()
+    assert (root / "lib" / "x86_64-linux-clang" / "libQnnHtp.so").is_file()
     # This x86 host runs only the non-shared build of the QAIRT it has.
     assert f"Artifacts under {artifacts}: 1 of 3 can run here" in out
     section = out.split(f"Artifacts under {artifacts}: ")[1].splitlines()[1:]

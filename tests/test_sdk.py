@@ -10,6 +10,7 @@ import pytest
 
 from optimum_qnn.config import Soc
 from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.sdk.finding import cache_name
 from optimum_qnn.sdk import (
     QnnSdkError,
     adsp_library_path,
@@ -151,7 +152,7 @@ def test_aarch64_linux_uses_the_onnxruntime_qnn_aarch64_wheel(tmp_path, machine)
     libs = registry_libraries(machine, "Linux", find_package=find, version_of=version_of)
     assert libs.source == "onnxruntime-qnn==2.5.0"
     assert libs.lib_source == package
-    assert libs.host_dir == "aarch64-oe-linux-gcc11.2" and libs.cache_name == "2.5.0"
+    assert libs.host_dir == "aarch64-oe-linux-gcc11.2" and libs.cache_name == cache_name("2.5.0", package)
     # The wheel puts every skel flat beside libQnnHtp.so: that one folder serves each HTP arch.
     assert dict(libs.skel_dirs) == {arch: package for arch in (68, 69, 73, 75, 79, 81)}
     # The exposed host folder is one find_host_lib_dir looks for on aarch64 (an inherited QNN_SDK_ROOT).
@@ -178,7 +179,10 @@ def test_x86_64_linux_resolves_to_onnxruntime_qnn(tmp_path):
     libs = registry_libraries("x86_64", "Linux", find_package=find, version_of=version_of)
     assert (libs.dist, libs.version, libs.source) == ("onnxruntime-qnn", "2.5.0", "onnxruntime-qnn==2.5.0")
     assert libs.lib_source == ort
-    assert (libs.host_dir, libs.cache_name) == ("x86_64-linux-clang", "2.5.0")  # the cache path of before
+    assert libs.host_dir == "x86_64-linux-clang"
+    # One root per package folder: the version and a key of the folder's resolved path.
+    assert libs.cache_name == cache_name("2.5.0", ort) and libs.cache_name.startswith("2.5.0-")
+    assert cache_name("2.5.0", tmp_path / "other") != libs.cache_name
     assert dict(libs.skel_dirs) == {}
 
 
@@ -334,17 +338,36 @@ def test_registry_libraries_set_up(qnn_sdk):
     assert str(qnn_sdk.lib_dir) in os.environ["LD_LIBRARY_PATH"].split(os.pathsep)
 
 
-def test_cache_link_is_created_and_repointed(tmp_path, monkeypatch):
+def test_cache_links_of_two_environments_are_never_repointed(tmp_path, monkeypatch):
+    """Each package folder gets its own root; a root whose folder was deleted is removed, and re-made when a folder
+    appears at that path again."""
     from optimum_qnn.sdk.loading import _link_cache_root
 
     monkeypatch.setenv("OPTIMUM_QNN_CACHE", str(tmp_path / "cache"))
     old, new = tmp_path / "old_venv", tmp_path / "new_venv"
     old.mkdir(), new.mkdir()
-    root = _link_cache_root(old, "9.9.9")
-    link = root / "lib" / "x86_64-linux-clang"
-    assert root == tmp_path / "cache" / "qnn-sdk" / "9.9.9" and link.resolve() == old
-    assert _link_cache_root(new, "9.9.9") == root and link.resolve() == new
-    assert [p.name for p in link.parent.iterdir()] == ["x86_64-linux-clang"]  # no temporary link left behind
+    root_old = _link_cache_root(old, cache_name("9.9.9", old))
+    root_new = _link_cache_root(new, cache_name("9.9.9", new))
+    link_old, link_new = (r / "lib" / "x86_64-linux-clang" for r in (root_old, root_new))
+    assert root_old != root_new and root_old.parent == tmp_path / "cache" / "qnn-sdk"
+    assert link_old.resolve() == old and link_new.resolve() == new  # the first one was not re-pointed
+    assert _link_cache_root(old, cache_name("9.9.9", old)) == root_old and link_old.resolve() == old
+    assert [p.name for p in link_old.parent.iterdir()] == ["x86_64-linux-clang"]  # no temporary link left behind
+    # A tampered link (pointing at another live folder) is refused with the fix, not silently re-pointed.
+    link_new.unlink()
+    link_new.symlink_to(old, target_is_directory=True)
+    with pytest.raises(QnnSdkError, match="remove"):
+        _link_cache_root(new, cache_name("9.9.9", new))
+    link_new.unlink()
+    assert _link_cache_root(new, cache_name("9.9.9", new)) == root_new and link_new.resolve() == new
+    # A deleted environment: its root goes when another one is set up; the same path, re-made, gets its link again.
+    old.rmdir()
+    third = tmp_path / "third_venv"
+    third.mkdir()
+    _link_cache_root(third, cache_name("9.9.9", third))
+    assert not root_old.exists() and root_new.exists()
+    old.mkdir()
+    assert _link_cache_root(old, cache_name("9.9.9", old)) == root_old and link_old.resolve() == old
 
 
 def test_cache_link_for_the_aarch64_host_folder(tmp_path, monkeypatch):
@@ -356,7 +379,7 @@ def test_cache_link_for_the_aarch64_host_folder(tmp_path, monkeypatch):
     libs = registry_libraries("aarch64", "Linux", find_package=find, version_of=version_of)
     root = _link_cache_root(libs.lib_source, libs.cache_name, libs.host_dir)
     link = root / "lib" / "aarch64-oe-linux-gcc11.2"
-    assert root == tmp_path / "cache" / "qnn-sdk" / "2.5.0"
+    assert root == tmp_path / "cache" / "qnn-sdk" / cache_name("2.5.0", package)
     assert link.is_symlink() and link.resolve() == package
     assert _link_cache_root(libs.lib_source, libs.cache_name, libs.host_dir) == root  # idempotent
     assert [p.name for p in link.parent.iterdir()] == ["aarch64-oe-linux-gcc11.2"]
@@ -391,7 +414,7 @@ def test_set_up_on_an_aarch64_linux_host(tmp_path, monkeypatch):
     loaded = _fake_host(monkeypatch, tmp_path, "aarch64", "Linux", package)
 
     found = loading._set_up()
-    root = tmp_path / "cache" / "qnn-sdk" / "2.5.0"
+    root = tmp_path / "cache" / "qnn-sdk" / cache_name("2.5.0", package)
     lib_dir = root / "lib" / "aarch64-oe-linux-gcc11.2"
     assert (found.root, found.lib_dir, found.htp_library) == (root, lib_dir, lib_dir / "libQnnHtp.so")
     assert found.source == "onnxruntime-qnn==2.5.0" and found.qairt_version == "2.49.40"

@@ -18,6 +18,7 @@ must sit in the same folder (Qualcomm's "Windows HTP Library Loading" notes): no
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import re
@@ -217,7 +218,8 @@ class RegistryLibraries:
         version: its installed version, `2.5.0`.
         lib_source: the installed folder holding the HTP and System libraries.
         host: the kind of host (folder names, library names, how skels are found).
-        cache_name: the folder of the cache root under `<cache>/qnn-sdk/`, e.g. `2.5.0`.
+        cache_name: the folder of the cache root under `<cache>/qnn-sdk/`: the version and a key of the package
+            folder, e.g. `2.5.0-3f2a9c1e`, so each environment of a user keeps a root of its own.
         skel_dirs: the Hexagon skel folders by HTP arch; empty on x86, whose HTP emulator runs in `libQnnHtp.so`.
     """
 
@@ -282,8 +284,15 @@ def registry_libraries(
                 f"{reinstall}"
             )
     return RegistryLibraries(
-        dist=ORT_QNN_DIST, version=version, lib_source=folder, host=host, cache_name=version, skel_dirs=skel_dirs
+        dist=ORT_QNN_DIST, version=version, lib_source=folder, host=host, cache_name=cache_name(version, folder),
+        skel_dirs=skel_dirs,
     )
+
+
+def cache_name(version: str, package_dir: Path) -> str:
+    """`<version>-<8 hex digits of the resolved package folder>`: one cache root per environment, never shared."""
+    key = hashlib.sha256(str(package_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{version}-{key}"
 
 
 def find_package_dir(package: str) -> Path | None:

@@ -5,8 +5,9 @@ ExecuTorch's Qualcomm code expects a QAIRT SDK laid out as `$QNN_SDK_ROOT/lib/<h
 
 1. a real SDK the user points `QNN_SDK_ROOT` at is validated and used as is;
 2. otherwise the libraries of `onnxruntime-qnn==2.5.0` (QAIRT 2.49.40): on Linux a small cache folder
-   `<cache>/qnn-sdk/2.5.0/` whose `lib/<host dir>` is a symlink to the installed package folder becomes
-   `QNN_SDK_ROOT`; on aarch64 Linux that folder (which holds the Hexagon skels) goes first in `ADSP_LIBRARY_PATH`;
+   `<cache>/qnn-sdk/2.5.0-<key>/` whose `lib/<host dir>` is a symlink to the installed package folder becomes
+   `QNN_SDK_ROOT` (the key names that folder: each environment has its own root, and no process re-points a link
+   another environment's process uses; roots whose package folder is gone are removed); on aarch64 Linux that folder (which holds the Hexagon skels) goes first in `ADSP_LIBRARY_PATH`;
    on Windows on Snapdragon the package folder is added to the DLL search path (the skels beside `QnnHtp.dll`
    are found there; Windows symlinks need privileges, and no ExecuTorch wheel reads `QNN_SDK_ROOT` there).
 
@@ -15,6 +16,7 @@ Importing this module is cheap: torch and executorch load inside `ensure_qnn_sdk
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -167,22 +169,51 @@ def _cache_home() -> Path:
 def _link_cache_root(lib_source: Path, name: str, host_dir: str = X86_64_HOST_DIR) -> Path:
     """`<cache>/qnn-sdk/<name>/` with `lib/<host_dir>` -> `lib_source`; returns the root.
 
-    The link is created under a unique temporary name and renamed over the final one, so concurrent processes
-    (pytest-xdist, two exports) never see a missing or half-made link. An existing link to another folder (an
-    older venv) is replaced the same way.
+    ``name`` is keyed by the package folder (`finding.cache_name`), so the link is made once and never re-pointed:
+    a process of another environment has a root of its own. The link is created under a unique temporary name and
+    renamed into place, so concurrent processes never see a missing or half-made link. A link whose target is
+    gone (a deleted environment) is replaced, here and, for other roots, removed (`_prune_stale_roots`).
     """
-    root = _cache_home() / "qnn-sdk" / name
+    base = _cache_home() / "qnn-sdk"
+    root = base / name
     link = root / "lib" / host_dir
     target = lib_source.resolve()
+    _prune_stale_roots(base, keep=root)
     if link.is_symlink() and Path(os.readlink(link)) == target:
         return root
     link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() and link.exists():
+        raise QnnSdkError(
+            f"{link} points at {os.readlink(link)}, not at this environment's {target}; remove {root} "
+            "(a cache made by optimum-qnn) and retry"
+        )
     if link.exists() and not link.is_symlink():
         raise QnnSdkError(f"{link} exists and is not a symlink; remove it (it is a cache made by optimum-qnn)")
     tmp = link.with_name(f".{link.name}.{uuid.uuid4().hex}")
     os.symlink(target, tmp, target_is_directory=True)
     os.replace(tmp, link)
     return root
+
+
+def _prune_stale_roots(base: Path, keep: Path) -> None:
+    """Remove the cache roots under ``base`` whose every library link points at a folder that no longer exists
+    (an environment that was deleted). Races with another process pruning the same root are harmless."""
+    if not base.is_dir():
+        return
+    for root in base.iterdir():
+        lib = root / "lib"
+        if root == keep or not lib.is_dir():
+            continue
+        links = list(lib.iterdir())
+        if not links or not all(p.is_symlink() and not p.exists() for p in links):
+            continue
+        for p in links:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        with contextlib.suppress(OSError):
+            lib.rmdir()
+            root.rmdir()
+        logger.info("Removed %s: its QNN libraries' folder is gone", root)
 
 
 def _add_library_path(lib_dir: Path, host: Host) -> None:
