@@ -16,6 +16,7 @@ An interrupted export therefore leaves nothing that looks complete, and never da
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -29,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from optimum_qnn.config import ExportConfig, ExportMode, Soc
 from optimum_qnn.errors import OptimumQnnError
@@ -133,6 +134,43 @@ def check_output_folder(output: Path) -> None:
 
 
 _STAGING_PREFIX = ".staging-"
+LOCK_NAME = ".qnn_index.lock"
+LOCK_TIMEOUT_ENV = "OPTIMUM_QNN_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT_S = 600.0
+
+
+@contextlib.contextmanager
+def folder_lock(output: Path, timeout: float | None = None) -> Iterator[None]:
+    """Hold the artifact folder's lock while updating what its variants share: the index, the root files and the
+    model card. Exports into one folder at once (one per SoC, say) take turns here; their long work is not locked.
+
+    The lock is an OS file lock (`filelock`): a process that dies releases it. ``timeout`` defaults to
+    ``$OPTIMUM_QNN_LOCK_TIMEOUT`` or 600 s.
+
+    Raises:
+        ArtifactError: another process held the lock for longer than ``timeout``.
+    """
+    from filelock import FileLock, Timeout
+
+    if timeout is None:
+        timeout = float(os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S))
+    path = Path(output) / LOCK_NAME
+    lock = FileLock(path)
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.warning("Waiting for %s: another export is writing into %s (up to %g s)", path, output, timeout)
+            lock.acquire(timeout=timeout)
+    except Timeout:
+        raise ArtifactError(
+            f"Another process has held {path} for more than {timeout:g} s while writing into {output}: wait for that "
+            f"export to finish (or stop it) and retry, or raise {LOCK_TIMEOUT_ENV}"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def staging_path(output: Path, suffix: str = "") -> Path:
@@ -197,7 +235,8 @@ class VariantWriter:
         """
         from optimum_qnn.sdk import ensure_qnn_sdk
 
-        root_files = self._write_root()
+        with folder_lock(self.output):
+            root_files = self._write_root()
         target = self.output / name
         # The pid in the name lets a later export remove the folder if this process gets killed.
         staging = staging_path(self.output)
@@ -238,14 +277,15 @@ class VariantWriter:
                 manifest.write(staging)
             target.parent.mkdir(parents=True, exist_ok=True)
             _stop_point("variant-staged")
-            _replace_dir(staging, target)
+            with folder_lock(self.output):
+                _replace_dir(staging, target)
+                self._update_index(name, lowered.soc, config)
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)
             raise ArtifactError(f"Writing variant {name} into {self.output} failed: {e.strerror or e}; earlier variants are intact") from None
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        self._update_index(name, lowered.soc, config)
         return target
 
     def _tokenizer_info(self, root_files: list[str]) -> TokenizerInfo:
@@ -265,6 +305,7 @@ class VariantWriter:
 
     def _update_index(self, name: str, soc: Soc, config: ExportConfig) -> None:
         index = read_index(self.output)
+        _stop_point("index-read")
         entry = {
             "path": name,
             "soc": soc.value,

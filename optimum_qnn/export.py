@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from optimum_qnn.artifacts import VariantWriter, check_output_folder, staging_path, variant_name
+from optimum_qnn.artifacts import VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
 from optimum_qnn.calibration import CalibrationSource
 from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import RunnerContract
@@ -268,7 +268,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
                     evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
                 )
                 result.variants.append(path)
-                write_model_card(output)  # the folder is complete as published: its card lists every variant
+                with folder_lock(output):  # the folder is complete as published: its card lists every variant
+                    write_model_card(output)
         finally:
             program_file.unlink(missing_ok=True)
     return result
