@@ -173,7 +173,7 @@ def components(pte: Path) -> dict[str, float]:
     from executorch.exir._serialize._program import deserialize_pte_binary
     from executorch.exir.schema import ScalarType, Tensor
 
-    from optimum_qnn.inspection import inspect_pte
+    from optimum_qnn.artifacts.inspection import inspect_pte
 
     htp = sum(context.size for context in inspect_pte(pte).contexts)
     program = deserialize_pte_binary(pte.read_bytes()).program

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from optimum_qnn.memory import ParameterCounts
+from optimum_qnn.exporter.memory import ParameterCounts
 
 E2B_LAYERS, E2B_REUSE = 35, 20
 RECIPE_VERSION = 1
@@ -62,7 +62,7 @@ def e2b_config(depth: int = E2B_LAYERS, reuse: int = E2B_REUSE) -> Gemma4TextCon
 
 def parameter_counts(config: Gemma4TextConfig) -> dict[str, int]:
     """Parameters of the token table, the per-layer embedding table (its width grows with depth), the decoder
-    layers, and the rest (norms and the per-layer projection): the exporter's own count (optimum_qnn.memory)."""
+    layers, and the rest (norms and the per-layer projection): the exporter's own count (optimum_qnn.exporter.memory)."""
     return ParameterCounts.from_config(config).as_dict()
 
 

@@ -1,10 +1,10 @@
-"""Fit optimum_qnn.memory's per-stage coefficients to the exports measured in benchmarks/memory_rows.json.
+"""Fit optimum_qnn.exporter.memory's per-stage coefficients to the exports measured in benchmarks/memory_rows.json.
 
 Each row is one export of a Gemma-4-E2B-width checkpoint (benchmarks/e2b_width.py at reduced depth, or the full
 model from benchmarks/e2b_full.py) with the per-stage peak RSS its stage lines printed. Per stage, peak - `_BASE` is
 fitted by least squares as a x (token table GB, stored) + b x (everything else GB, stored); the lowering as
 `_LOWER_BASE` + r x (all weights GB, stored) + s x (parameters of the largest shard). Prints the coefficients to
-paste into optimum_qnn/memory.py and each row's residuals (tests/test_memory.py checks them against the module).
+paste into optimum_qnn/exporter/memory.py and each row's residuals (tests/test_memory.py checks them against the module).
 
 Usage: python benchmarks/memory_fit.py
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from e2b_width import e2b_config  # noqa: E402
 
 from optimum_qnn.config import shard_starts  # noqa: E402
-from optimum_qnn.memory import _BASE, _LOWER_BASE, GB_BYTES, ParameterCounts  # noqa: E402
+from optimum_qnn.exporter.memory import _BASE, _LOWER_BASE, GB_BYTES, ParameterCounts  # noqa: E402
 
 ROWS_FILE = Path(__file__).parent / "memory_rows.json"
 

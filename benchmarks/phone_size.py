@@ -31,8 +31,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
 
-    from optimum_qnn.calibration import CalibrationSource
-    from optimum_qnn.export import export
+    from optimum_qnn.quantization.calibration import CalibrationSource
+    from optimum_qnn.exporter.pipeline import export
 
     work = args.work or Path(tempfile.mkdtemp(prefix="optimum-qnn-phone-size-"))
     work.mkdir(parents=True, exist_ok=True)

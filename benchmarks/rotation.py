@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from optimum_qnn.metrics import sqnr_db
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -79,7 +81,7 @@ def rotate_values(model: nn.Module) -> list[int]:
 
 
 def quantize_linears(model: nn.Module) -> None:
-    from optimum_qnn.weight_search import block_of, fake_quantize_weight
+    from optimum_qnn.quantization.weight_search import block_of, fake_quantize_weight
 
     with torch.no_grad():
         for name, m in model.named_modules():
@@ -95,9 +97,8 @@ def logits(model: nn.Module, windows: list[torch.Tensor]) -> torch.Tensor:
 def score(got: torch.Tensor, ref: torch.Tensor, windows: list[torch.Tensor]) -> dict[str, float]:
     targets = torch.cat([w[1:] for w in windows])
     keep = torch.cat([torch.arange(w.numel() - 1) + sum(v.numel() for v in windows[:i]) for i, w in enumerate(windows)])
-    noise = (got - ref).pow(2).mean()
     return {
-        "SQNR dB": 10 * math.log10(ref.pow(2).mean() / noise),
+        "SQNR dB": sqnr_db(got, ref),
         "top-1": (got[keep].argmax(-1) == ref[keep].argmax(-1)).double().mean().item(),
         "PPL": math.exp(nn.functional.cross_entropy(got[keep], targets).item()),
     }
@@ -109,7 +110,7 @@ def measure(model_dir: Path) -> list[tuple[str, dict[str, float]]]:
     import run
     from optimum_qnn.models.gemma4.loading import load_text_model
 
-    from optimum_qnn.evaluation import windows as cut
+    from optimum_qnn.exporter.evaluation import windows as cut
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(run.held_out_text(), add_special_tokens=False)["input_ids"]

@@ -128,11 +128,11 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str
     import torch
 
     from optimum_qnn import StaticCausalLM
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.contract import DECODE_METHOD
-    from optimum_qnn.evaluation import sqnr_db
-    from optimum_qnn.export import export
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.exporter.evaluation import sqnr_db
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     from transformers import AutoTokenizer
@@ -155,8 +155,8 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str
         stats.append(model.stats)
     held_ids = torch.tensor([2] + list(range(100, 190)))
     ref = static.session().feed(held_ids)
-    model._session.reset()
-    got_decode = model._session.feed_method(DECODE_METHOD, held_ids)
+    model.backend.session.reset()
+    got_decode = model.backend.session.feed_method(DECODE_METHOD, held_ids)
     greedy = []
     for ids in [prompt.tolist(), *held_out_prompts(AutoTokenizer.from_pretrained(model_dir))]:
         ids = torch.tensor(ids)
@@ -191,7 +191,7 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str
 def e2b_child(depth: int, work: Path) -> dict:
     """Export the E2B-width checkpoint of `depth` layers (a phone build: hybrid, weights shared); own process."""
     from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     folder = CACHE / "bench-models" / f"e2b-width-{depth}"
     config = ExportConfig(

@@ -18,13 +18,14 @@ Usage: python benchmarks/sensitivity_probe.py MODEL_DIR [MODEL_DIR ...] [--probe
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from optimum_qnn.metrics import db_of_noise, noise_of_db, sqnr_db
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
@@ -36,7 +37,7 @@ BLOCK, CONTEXT, WINDOWS, SHARE = 64, 128, 4, 0.25
 
 def windows_of(tokenizer, text: str, count: int) -> list[torch.Tensor]:
     """`count` windows of CONTEXT tokens, BOS first, as `--evaluate` cuts them."""
-    from optimum_qnn.evaluation import windows
+    from optimum_qnn.exporter.evaluation import windows
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return windows(ids, CONTEXT, tokenizer.bos_token_id, max_tokens=count * (CONTEXT - 1))
@@ -52,14 +53,14 @@ def logits_of(model: nn.Module, windows: list[torch.Tensor]) -> torch.Tensor:
 
 def noise_of(sqnr: dict[str, float]) -> dict[str, float]:
     """Logits SQNR in dB -> noise power over the logits' power (0 where rounding changed nothing)."""
-    return {name: 0.0 if math.isinf(db) else 10 ** (-db / 10) for name, db in sqnr.items()}
+    return {name: noise_of_db(db) for name, db in sqnr.items()}
 
 
 def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, float]:
     """Each linear alone at 4 bits: the logits' noise power over their power, measured as the exporter's plan does
     (`mixed_precision.measure_sensitivity`)."""
-    from optimum_qnn.mixed_precision import measure_sensitivity
-    from optimum_qnn.weight_search import block_of
+    from optimum_qnn.quantization.mixed_precision import measure_sensitivity
+    from optimum_qnn.quantization.weight_search import block_of
 
     sqnr = measure_sensitivity(linears_of(model), lambda: logits_of(model, windows), lambda m: block_of(m, BLOCK))
     return noise_of(sqnr)
@@ -68,8 +69,8 @@ def exact_noise(model: nn.Module, windows: list[torch.Tensor]) -> dict[str, floa
 def probe_noise(model: nn.Module, windows: list[torch.Tensor], probes: int, seed: int = 0) -> dict[str, float]:
     """The same, estimated to first order from `probes` random-probe backward passes, as the exporter's plan does
     (`mixed_precision.probe_sensitivity`)."""
-    from optimum_qnn.mixed_precision import probe_sensitivity
-    from optimum_qnn.weight_search import block_of
+    from optimum_qnn.quantization.mixed_precision import probe_sensitivity
+    from optimum_qnn.quantization.weight_search import block_of
 
     sqnr = probe_sensitivity(model, linears_of(model), lambda: logits_of(model, windows), lambda m: block_of(m, BLOCK),
                              probes=probes, seed=seed)
@@ -85,7 +86,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def mixed_sqnr(model_dir: Path, kept: set[str], windows: list[torch.Tensor]) -> float:
     """Held-out logits SQNR with every linear at 4 bits except `kept` at 8 (weight-only, rounded as the quantizer)."""
     from optimum_qnn.models.gemma4.loading import load_text_model
-    from optimum_qnn.weight_search import block_of, fake_quantize_weight
+    from optimum_qnn.quantization.weight_search import block_of, fake_quantize_weight
 
     model = load_text_model(model_dir)[0].float().eval()
     with torch.no_grad():
@@ -93,7 +94,7 @@ def mixed_sqnr(model_dir: Path, kept: set[str], windows: list[torch.Tensor]) -> 
         for name, m in linears_of(model).items():
             m.weight.copy_(fake_quantize_weight(m.weight, 8, None) if name in kept else fake_quantize_weight(m.weight, 4, block_of(m, BLOCK)))
         got = logits_of(model, windows).double()
-    return 10 * math.log10(ref.pow(2).mean() / (got - ref).pow(2).mean())
+    return sqnr_db(got, ref)
 
 
 def main() -> int:
@@ -107,7 +108,7 @@ def main() -> int:
     import run
     import tiny_gemma4
     from optimum_qnn.config import SizeBudget
-    from optimum_qnn.mixed_precision import plan
+    from optimum_qnn.quantization.mixed_precision import plan
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     print("| model | method | passes (forward + backward) | s | Spearman of noise/param vs exact | kept at 8 bits: "
@@ -121,7 +122,7 @@ def main() -> int:
         budget = SizeBudget(share=SHARE)
 
         def kept_by(noise: dict[str, float]) -> set[str]:
-            sqnr = {n: (200.0 if v <= 0 else -10 * math.log10(v)) for n, v in noise.items()}
+            sqnr = {n: min(db_of_noise(v), 200.0) for n, v in noise.items()}
             return set(plan(sqnr, params, budget).kept)
 
         def row(method: str, passes: str, seconds: float, noise: dict[str, float]) -> None:

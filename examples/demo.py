@@ -41,8 +41,8 @@ def main() -> int:
 
     from optimum_qnn import StaticCausalLM
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     print("== 1/3 building the demo Gemma4 (cached after the first run)")
@@ -61,7 +61,7 @@ def main() -> int:
         embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
         weight_sharing=False,  # the x86 emulator cannot load weight-shared contexts
     )
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
 
     t0 = time.time()
     result = export(model_dir, args.out / "artifact", config, calibration=CalibrationSource(file=calib, limit=16))
@@ -88,8 +88,8 @@ def main() -> int:
     n = min(len(new_ref), len(new_got))
     agree = int((new_ref[:n] == new_got[:n]).sum())
     static = StaticCausalLM.from_hf(hf, max_context_len=128)
-    qnn._session.reset()
-    got_logits = qnn._session.feed(ref[0, :-1])
+    qnn.backend.session.reset()
+    got_logits = qnn.backend.session.feed(ref[0, :-1])
     ref_logits = static.session().feed(ref[0, :-1])
     sqnr = 10 * torch.log10(ref_logits.pow(2).mean() / (got_logits - ref_logits).pow(2).mean())
     print(f"parity : {agree}/{n} greedy tokens equal to fp32 Hugging Face; logits SQNR {sqnr:.1f} dB")

@@ -47,7 +47,7 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
         from pathlib import Path
 
         from optimum_qnn.errors import OptimumQnnError
-        from optimum_qnn.inspection import inspect_pte
+        from optimum_qnn.artifacts.inspection import inspect_pte
 
         path = Path(args.path) / "model.pte" if Path(args.path).is_dir() else Path(args.path)
         stdout = os.dup(1)
@@ -70,7 +70,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run", help="generate text with an exported model, on this host or on a phone over adb",
         description="Generate with one variant of an artifact folder or Hub repo: on this host (QNN runtime), or on "
-        "an Android phone through ExecuTorch's qnn_llama_runner (--device adb). Prints the text as it comes, then "
+        "ExecuTorch's qnn_llama_runner on this machine (--device runner) or on an Android phone (--device adb). Prints the text as it comes, then "
         "one line of stats.",
     )
     parser.add_argument("model", help="artifact folder or Hub repo id")
@@ -83,8 +83,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are (e.g. 2,651,1234)")
     parser.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
-    parser.add_argument("--device", default="host", help="host, adb (the one phone connected) or adb:SERIAL (default: %(default)s)")
-    parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the phone (default: $QNN_LLAMA_RUNNER)")
+    parser.add_argument("--device", default="host",
+                        help="host (ExecuTorch's Python runtime here), runner (ExecuTorch's qnn_llama_runner here: a "
+                        "Snapdragon board or laptop, or x86 with the emulator), adb (the one phone connected) or "
+                        "adb:SERIAL (default: %(default)s)")
+    parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
 
     def handler(args: argparse.Namespace) -> int:
         from optimum_qnn.errors import OptimumQnnError
@@ -97,7 +100,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         try:
             from transformers import AutoTokenizer, TextStreamer
 
-            from optimum_qnn.modeling import QNNModelForCausalLM
+            from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
             options = {"runner": args.runner} if args.runner else {}
             model = QNNModelForCausalLM.from_pretrained(
@@ -117,7 +120,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         print(
             f"[{s.prompt_tokens} prompt + {s.new_tokens} new tokens, stopped by {s.stopped_by} | first token "
             f"{s.time_to_first_token_s:.2f} s | prefill {s.prefill_tokens_per_s:.1f} tok/s | decode "
-            f"{s.decode_tokens_per_s:.1f} tok/s | {getattr(model, 'device', 'host')}]"
+            f"{s.decode_tokens_per_s:.1f} tok/s | {model.device}]"
         )
         return 0
 

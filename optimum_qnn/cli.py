@@ -29,7 +29,7 @@ from optimum_qnn.config import (
     recipe_fields,
 )
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
-from optimum_qnn.memory import parse_max_memory
+from optimum_qnn.exporter.memory import parse_max_memory
 
 logger = logging.getLogger(__name__)
 
@@ -156,11 +156,11 @@ def run_export(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         if args.push_to_hub is not None:
             _check_repo_id(args.push_to_hub)
-        from optimum_qnn.calibration import CalibrationSource
+        from optimum_qnn.quantization.calibration import CalibrationSource
 
         calibration = CalibrationSource(file=args.calib_file, limit=args.calib_limit)
         with third_party_quiet(args.verbose):
-            from optimum_qnn.export import export
+            from optimum_qnn.exporter.pipeline import export
 
             result = export(
                 args.model, args.output, config, revision=args.revision, calibration=calibration,
@@ -175,7 +175,7 @@ def run_export(args: argparse.Namespace) -> int:
         return 130
     print("\nSwapped modules:\n" + result.swap_summary)
     if result.quant_rows:
-        from optimum_qnn.quant_summary import format_quant_summary
+        from optimum_qnn.quantization.summary import format_quant_summary
 
         print("\nQuantization:\n" + format_quant_summary(result.quant_rows))
     if result.mixed_plan is not None:
@@ -186,7 +186,7 @@ def run_export(args: argparse.Namespace) -> int:
     for path in result.variants:
         print(f"wrote {path}")
     if args.push_to_hub:
-        from optimum_qnn.hub import push_to_hub
+        from optimum_qnn.artifacts.hub import push_to_hub
 
         try:
             plan = push_to_hub(args.output, args.push_to_hub, private=args.private)
@@ -200,7 +200,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def _check_repo_id(repo_id: str) -> None:
     """A --push-to-hub id that the Hub would refuse fails now, not after an hour of export."""
-    from optimum_qnn.hub import _REPO_ID
+    from optimum_qnn.artifacts.hub import _REPO_ID
 
     if not _REPO_ID.match(repo_id) or len(repo_id) > 96 or ".." in repo_id or "--" in repo_id:
         raise InvalidInputError(

@@ -65,9 +65,6 @@ class QuantScheme(enum.Enum):
     def is_quantized(self) -> bool:
         return self is not QuantScheme.FP16
 
-    @property
-    def activation_bits(self) -> int:
-        return {QuantScheme.FP16: 16, QuantScheme.A8W8: 8}.get(self, 16)
 
     @property
     def weight_bits(self) -> int:
@@ -100,7 +97,7 @@ class WeightRanges(enum.Enum):
 
     `minmax`: each channel's (block's) largest weight sets its scale. `output-mse`: per output channel, the clip
     of that range (1.0 down to 0.5) whose rounding error least changes the linear's output on the calibration
-    activations (the SeqMSE idea of ExecuTorch's Qualcomm flow, searched per channel; see optimum_qnn.weight_search).
+    activations (the SeqMSE idea of ExecuTorch's Qualcomm flow, searched per channel; see optimum_qnn.quantization.weight_search).
     """
 
     MINMAX = "minmax"
@@ -116,7 +113,7 @@ class WeightRounding(enum.Enum):
 
     `nearest`: each weight to its nearest level. `gptq`: column by column, each column's rounding error pushed onto
     the columns not yet rounded so the errors cancel in the layer's output on the calibration activations
-    (optimum_qnn.gptq). The scales are the same either way.
+    (optimum_qnn.quantization.gptq). The scales are the same either way.
     """
 
     NEAREST = "nearest"
@@ -326,7 +323,7 @@ class ExportConfig:
     overrides: tuple[tuple[str, QuantScheme], ...] = ()
     # Split the decoder layers into this many QNN contexts, compiled one after the other: the compiler then holds
     # one shard's weights at a time (lower peak memory for big models); a phone loads them as separate contexts.
-    # None: the fewest shards whose estimated lowering peak fits `max_memory` (optimum_qnn.memory).
+    # None: the fewest shards whose estimated lowering peak fits `max_memory` (optimum_qnn.exporter.memory).
     shards: int | None = None
     # Memory budget of the export in GB (2**30 bytes); None: this machine's available memory less a margin. An export
     # whose estimated peak exceeds it is refused before any weight is read.
@@ -335,7 +332,7 @@ class ExportConfig:
     # does the same); True keeps them float32, quantized inside the graph on every call. Ignored for fp16.
     float_io: bool = False
     # 4-bit schemes: keep the linears whose 4-bit rounding most changes the logits (measured on the calibration
-    # text) at 8 bits within this budget (optimum_qnn.mixed_precision). None: every linear at the scheme's width.
+    # text) at 8 bits within this budget (optimum_qnn.quantization.mixed_precision). None: every linear at the scheme's width.
     size_budget: SizeBudget | None = None
     weight_ranges: WeightRanges = WeightRanges.MINMAX
     weight_rounding: WeightRounding = WeightRounding.NEAREST

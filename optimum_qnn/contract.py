@@ -165,11 +165,6 @@ class RunnerContract:
                 return m
         raise KeyError(f"Unknown method {name!r}; this export has: {', '.join(m.name for m in self.methods)}")
 
-    def method_for_ar_len(self, ar_len: int) -> MethodSpec:
-        for m in self.methods:
-            if m.ar_len == ar_len:
-                return m
-        raise KeyError(f"No method takes ar_len={ar_len}; available: {[m.ar_len for m in self.methods]}")
 
     def example_inputs(self, method: str) -> tuple["torch.Tensor", ...]:
         """Inputs of ``method`` for an empty cache: zero caches, position 0.., masks for n_past=0."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from optimum_qnn import __version__
+from optimum_qnn.program import is_emulator_host
 from optimum_qnn.sdk import (
     QnnSdk,
     QnnSdkError,
@@ -61,14 +62,9 @@ class Verdict:
     reason: str
 
 
-def is_emulator_host(machine: str) -> bool:
-    """x86_64 hosts run QNN through the HTP emulator inside libQnnHtp.so, which cannot load weight-shared contexts."""
-    return machine.lower() in ("x86_64", "amd64")
-
-
 def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -> list[Verdict]:
     """Every exported variant (folder with a manifest.json) under `path`, judged for this host."""
-    from optimum_qnn.manifest import ManifestError, read_manifest
+    from optimum_qnn.artifacts.manifest import ManifestError, read_manifest
 
     verdicts = []
     manifests = [path / "manifest.json"] if (path / "manifest.json").is_file() else sorted(path.rglob("manifest.json"))

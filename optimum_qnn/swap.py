@@ -75,8 +75,6 @@ class SwapRegistry:
     def factory_for(self, cls: type[nn.Module]) -> Factory | None:
         return self._factories.get(cls)
 
-    def is_pass_through(self, cls: type[nn.Module]) -> bool:
-        return cls in self._passthrough
 
     @property
     def swapped_classes(self) -> frozenset[type[nn.Module]]:

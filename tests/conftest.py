@@ -88,7 +88,7 @@ def random_kv_export(random_model_dir, tmp_path_factory, qnn_sdk):
     """The random Gemma4 exported once, fp16 kv mode, context 32, for three SoCs (loaded and calibrated once,
     lowered per SoC): test_export checks the per-SoC lowering, test_hub publishes and loads it."""
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     config = ExportConfig(
         socs=tuple(Soc.parse(s) for s in RANDOM_SOCS), quant=QuantScheme.FP16, mode=ExportMode.KV,
@@ -103,7 +103,7 @@ FP16_CTX, FP16_PREFILL = 96, 16
 @pytest.fixture(scope="session")
 def fp16_export(demo_model_dir, tmp_path_factory, qnn_sdk):
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     out = tmp_path_factory.mktemp("fp16-out")
     config = ExportConfig(
@@ -115,7 +115,7 @@ def fp16_export(demo_model_dir, tmp_path_factory, qnn_sdk):
 
 @pytest.fixture(scope="session")
 def fp16_model(fp16_export):
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     return QNNModelForCausalLM.from_pretrained(fp16_export.output, soc="SM8650", quant="fp16")
 
@@ -129,7 +129,7 @@ KV_CTX = 64
 def demo_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
     """The demo Gemma4 exported fp16 in kv mode (decode method only), context 64, float embedding tables."""
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     out = tmp_path_factory.mktemp("demo-kv")
     config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
@@ -186,9 +186,9 @@ def window7_model_dir(demo_model_dir, tmp_path_factory) -> Path:
 def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
     """Hybrid exports of the window-7 model, context 64, weights not shared, built on first use:
     (quant, prefill_ar_len) -> artifact folder. 16a8w is calibrated on 8 corpus paragraphs and keeps uint16 IO."""
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
@@ -211,5 +211,35 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
             export(window7_model_dir, out, config, calibration=calibration)
             built[quant, ar_len] = out
         return built[quant, ar_len]
+
+    return get
+
+
+A16W8_CTX, A16W8_PREFILL = 64, 16
+
+
+@pytest.fixture(scope="session")
+def a16w8_export(demo_model_dir, tmp_path_factory, qnn_sdk):
+    """16a8w exports of the demo model (weights not shared), built on first use: mode -> artifact folder."""
+    from optimum_qnn.quantization.calibration import CalibrationSource
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.exporter.pipeline import export
+
+    import tiny_gemma4  # on sys.path through the demo_model_dir fixture
+
+    calib = tmp_path_factory.mktemp("calib") / "calib.txt"
+    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
+    built = {}
+
+    def get(mode: str) -> Path:
+        if mode not in built:
+            out = tmp_path_factory.mktemp(f"16a8w-{mode}")
+            config = ExportConfig(
+                socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.parse(mode),
+                shapes=ShapeConfig(A16W8_CTX, A16W8_PREFILL), embedding_quant=EmbeddingQuant(8, 0), weight_sharing=False,
+            )
+            export(demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8))
+            built[mode] = out
+        return built[mode]
 
     return get

@@ -1,7 +1,7 @@
 """The host side of ExecuTorch's `qnn_llama_runner`, rewritten in Python for the conformance tests.
 
 Written from the runner's C++ sources (ExecuTorch main of 2026-08, `examples/qualcomm/oss_scripts/llama/runner/`:
-`kv_manager.cpp`, `prompt_processor.cpp`, `token_generator.cpp`), independently of `optimum_qnn.runner`, so a test
+`kv_manager.cpp`, `prompt_processor.cpp`, `token_generator.cpp`), independently of `optimum_qnn.session`, so a test
 can feed an exported .pte exactly what the stock runner feeds it and compare with what `QNNModelForCausalLM` gets:
 - everything is read from the program the way the runner reads it: `get_n_self_layers` and `get_sliding_window`
   constant methods, AR and context length from the mask input `[1, 1, AR, CL]`, dtypes from the method signatures;

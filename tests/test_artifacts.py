@@ -1,4 +1,4 @@
-"""optimum_qnn.artifacts: variants are written atomically, nothing is lost on bad output folders or full disks.
+"""optimum_qnn.artifacts.writer: variants are written atomically, nothing is lost on bad output folders or full disks.
 
 The writer gets real `LoweredProgram` objects whose .pte bytes are placeholders: what is checked here is the
 folder logic (staging, replacement, index), not the program. Exports killed mid-way are in test_reliability.py.
@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.artifacts import INDEX_NAME, ArtifactError, VariantWriter, check_output_folder, read_index, variant_name
+from optimum_qnn.artifacts.writer import INDEX_NAME, ArtifactError, VariantWriter, check_output_folder, read_index, variant_name
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 from optimum_qnn.contract import DECODE_METHOD, AttentionKind, LayerSpec, RunnerContract
-from optimum_qnn.lowering import LoweredProgram
-from optimum_qnn.manifest import ManifestError, read_manifest
+from optimum_qnn.exporter.lowering import LoweredProgram
+from optimum_qnn.artifacts.manifest import ManifestError, read_manifest
 from optimum_qnn.models.gemma4.loading import LoadReport
-from optimum_qnn.modeling import QNNModelForCausalLM, verify_files
+from optimum_qnn.artifacts.variants import verify_files
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
 CONFIG = ExportConfig(
     socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(24, 4),

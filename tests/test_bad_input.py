@@ -66,7 +66,7 @@ def test_truncated_safetensors_is_named_as_a_corrupt_download(model_copy, tmp_pa
 
 
 def test_invalid_override_pattern_is_named_before_anything_loads(demo_model_dir, tmp_path, capsys, monkeypatch):
-    import optimum_qnn.export as export_module
+    import optimum_qnn.exporter.pipeline as export_module
 
     monkeypatch.setattr(export_module, "load_text_model", lambda *a, **k: pytest.fail("the model was loaded"))
     err = refused(capsys, demo_model_dir, tmp_path, "--quant-override", "([=16a8w", match="'([' is not a valid regular expression")
@@ -114,10 +114,10 @@ def test_calibration_jsonl_text_must_be_a_string(demo_model_dir, tmp_path, capsy
 
 def test_too_few_calibration_tokens_are_reported(demo_model_dir, monkeypatch, caplog, qnn_sdk):
     """One short sample sets the activation ranges from a handful of rows: the export says how many tokens it had."""
-    import optimum_qnn.quantization as quantization
+    import optimum_qnn.quantization.shared as quantization
     from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig
-    from optimum_qnn.export import ExportResult, _quantize
-    from optimum_qnn.preflight import load_tokenizer
+    from optimum_qnn.exporter.pipeline import ExportResult, _quantize
+    from optimum_qnn.exporter.preflight import load_tokenizer
     from optimum_qnn.models.gemma4 import StaticCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
@@ -140,7 +140,7 @@ def test_too_few_calibration_tokens_are_reported(demo_model_dir, monkeypatch, ca
 
 @pytest.fixture(scope="module")
 def kv_model(demo_kv_export):
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     return QNNModelForCausalLM.from_pretrained(demo_kv_export)
 
@@ -190,7 +190,7 @@ def test_text_generation_refuses_wrong_types(kv_model, demo_model_dir):
 
 
 def test_from_pretrained_on_a_missing_path_or_a_file(demo_kv_export, tmp_path):
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     with pytest.raises(OptimumQnnError, match="No such folder: /path/that/does/not/exist. It is not a Hub repo id"):
         QNNModelForCausalLM.from_pretrained("/path/that/does/not/exist")
@@ -204,7 +204,7 @@ def test_from_pretrained_on_a_missing_path_or_a_file(demo_kv_export, tmp_path):
 
 
 def test_corrupt_index_and_manifest_are_project_errors(demo_kv_export, tmp_path):
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     root = tmp_path / "artifact"
     shutil.copytree(demo_kv_export, root)
@@ -293,7 +293,7 @@ def test_weights_of_another_model_are_named(model_copy, tmp_path, capsys):
     ],
 )
 def test_bad_numbers_and_patterns_fail_before_the_model_loads(demo_model_dir, tmp_path, capsys, monkeypatch, argv, match):
-    import optimum_qnn.export as export_module
+    import optimum_qnn.exporter.pipeline as export_module
 
     monkeypatch.setattr(export_module, "load_text_model", lambda *a, **k: pytest.fail("the model was loaded"))
     try:
@@ -339,7 +339,7 @@ def test_calibration_text_without_a_tokenizer_is_refused(model_copy, tmp_path, c
 
 
 def test_override_matching_no_module_is_refused_before_calibration(demo_model_dir, tmp_path, monkeypatch):
-    import optimum_qnn.export as export_module
+    import optimum_qnn.exporter.pipeline as export_module
     from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig
 
     monkeypatch.setattr(export_module, "_quantize", lambda *a, **k: pytest.fail("calibration ran"))
@@ -366,9 +366,9 @@ def test_override_matching_no_module_is_refused_before_calibration(demo_model_di
     ],
 )
 def test_python_api_wrong_types(demo_model_dir, tmp_path, call, match):
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ShapeConfig
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     kind, *args = call(demo_model_dir, tmp_path / "out", ExportConfig())
     with pytest.raises(InvalidInputError, match=match):
@@ -387,7 +387,7 @@ def test_python_api_wrong_types(demo_model_dir, tmp_path, call, match):
 
 def test_interrupted_export_removes_the_folder_it_created(demo_model_dir, tmp_path, monkeypatch):
     """Ctrl-C (or any crash) after the output folder was made: the folder goes too."""
-    import optimum_qnn.export as export_module
+    import optimum_qnn.exporter.pipeline as export_module
     from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig
 
     def interrupt(*args, **kwargs):

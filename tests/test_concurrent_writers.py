@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.artifacts import LOCK_NAME, STOP_AT_ENV, ArtifactError, folder_lock, read_index
+from optimum_qnn.artifacts.writer import LOCK_NAME, STOP_AT_ENV, ArtifactError, folder_lock, read_index
 from tests.conftest import REPO_ROOT, child_env
 
 SOCS = ("SM8550", "SM8650", "SM8750", "SM8850")
@@ -22,7 +22,7 @@ WAITING = "Waiting for "
 
 _LOAD_AND_GENERATE = """
 import sys, torch
-from optimum_qnn.modeling import QNNModelForCausalLM
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 model = QNNModelForCausalLM.from_pretrained(sys.argv[1], soc=sys.argv[2])
 assert model.manifest.target.soc == sys.argv[2]
 out = model.generate(torch.tensor([2, 5, 6]), max_new_tokens=2, eos_token_id=[])

@@ -113,7 +113,7 @@ def test_max_memory_bad_values_are_refused(value):
 
 def test_check_weight_sharing_flag_reaches_the_export(monkeypatch, tmp_path):
     """`--check-weight-sharing` runs the shared-vs-unshared inspection of `export(check_weight_sharing=True)`."""
-    import optimum_qnn.export as export_module
+    import optimum_qnn.exporter.pipeline as export_module
     from optimum_qnn.cli import run_export
 
     seen = {}

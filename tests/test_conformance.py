@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimum_qnn.evaluation import sqnr_db
-from optimum_qnn.modeling import QNNModelForCausalLM
+from optimum_qnn.exporter.evaluation import sqnr_db
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 from tests.stock_runner import StockRunnerHost
 
 # fp16 hybrid (float IO), fp16 kv, 16a8w hybrid in two shards with uint16 IO.
@@ -28,7 +28,7 @@ def _artifact(request, name):
 def test_graph_io_is_not_memory_planned(request, export):
     """The runner hands every method its own input and output buffers (`set_outputs`): planned IO refuses them."""
     model = QNNModelForCausalLM.from_pretrained(_artifact(request, export))
-    program = model._program.program
+    program = model.backend.program.program
     for spec in model.contract.methods:
         meta = program.metadata(spec.name)
         planned = [f"input {i}" for i in range(meta.num_inputs()) if meta.input_tensor_meta(i).is_memory_planned()]
@@ -39,7 +39,7 @@ def test_graph_io_is_not_memory_planned(request, export):
 @pytest.mark.parametrize("export", EXPORTS)
 def test_stock_runner_inputs_give_the_project_s_tokens_and_logits(request, export):
     model = QNNModelForCausalLM.from_pretrained(_artifact(request, export))
-    host = StockRunnerHost(model._program.program, model._program.methods)
+    host = StockRunnerHost(model.backend.program.program, model.backend.program.methods)
     ar = max(host.ar_lens.values())
     # Two prefill calls, the second one partial (its padding rows hold the first call's tokens), then decode steps
     # whose caches were re-laid out from the prefill graph's length to the decode graph's.
@@ -47,8 +47,8 @@ def test_stock_runner_inputs_give_the_project_s_tokens_and_logits(request, expor
     new, runner_logits = host.generate(prompt, max_new_tokens=12)
     ours = model.generate(torch.tensor(prompt), max_new_tokens=12, eos_token_id=[])[0, len(prompt):].tolist()
     assert new == ours
-    model._session.reset()
-    our_logits = model._session.feed(torch.tensor(prompt))[-1]
+    model.backend.session.reset()
+    our_logits = model.backend.session.feed(torch.tensor(prompt))[-1]
     logits_spec = model.contract.methods[0].outputs[0]
     if logits_spec.quantized:  # the runner argmaxes the raw uint16 logits; the host dequantizes them
         assert runner_logits.dtype == torch.uint16 and host.mask_dtype == torch.uint16

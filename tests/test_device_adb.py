@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimum_qnn.device import DeviceError, DeviceSpec
-from optimum_qnn.device.adb import parse_devices, parse_df_available_kb
-from optimum_qnn.manifest import (
+from optimum_qnn.runtime.backends import DeviceError, DeviceSpec
+from optimum_qnn.runtime.backends.adb import parse_devices, parse_df_available_kb
+from optimum_qnn.artifacts.manifest import (
     Contract, FileEntry, Layer, Manifest, Method, Quantization, Source, Target, TensorIO, TokenizerInfo, Versions,
     file_entry,
 )
-from optimum_qnn.modeling import QNNModelForCausalLM
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 from optimum_qnn.sdk import QnnSdkError
 
 FAKE_ADB = Path(__file__).with_name("fake_adb.py")
@@ -75,7 +75,7 @@ def phone(tmp_path, monkeypatch) -> Phone:
 
 def write_sdk(folder: Path, arch: int = 75, build_id: str = BUILD_ID) -> Path:
     """A QAIRT SDK layout with the Android files of one arch; the HTP library carries ``build_id``."""
-    from optimum_qnn.device.bundle import android_library_names
+    from optimum_qnn.runtime.backends.bundle import android_library_names
 
     for name in android_library_names(arch):
         path = folder / name
@@ -164,7 +164,7 @@ def load(artifact, device="adb", **options):
 
 def test_device_names_and_parsers():
     assert DeviceSpec.parse("adb:R5CX1") == DeviceSpec("adb", "R5CX1") and str(DeviceSpec.parse("adb")) == "adb"
-    with pytest.raises(ValueError, match="expected one of: host, adb, adb:SERIAL"):
+    with pytest.raises(ValueError, match="expected one of: host, runner, adb, adb:SERIAL"):
         DeviceSpec.parse("gpu")
     out = "* daemon started successfully\nList of devices attached\nA1\tdevice\nB2\tunauthorized\nC3\tno permissions (user x)\n\n"
     assert parse_devices(out) == [("A1", "device"), ("B2", "unauthorized"), ("C3", "no permissions")]
@@ -182,7 +182,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
                 "inference_start_ms": 2000, "first_token_ms": 2020, "inference_end_ms": 2300}
     reply.write_text(json.dumps({"text": text, "observer": observer}))
     model = load(artifact)
-    assert type(model).__name__ == "PhoneModelForCausalLM" and model.device == "adb:PHONE1"
+    assert type(model.backend).__name__ == "RunnerBackend" and model.device == "adb:PHONE1"
     assert sorted(phone.pushed()) == sorted([
         "qnn_llama_runner", "libqnn_executorch_backend.so", "libQnnHtp.so", "libQnnHtpV75Stub.so",
         "libQnnHtpPrepare.so", "libQnnSystem.so", "libQnnHtpV75Skel.so", "model.pte", "tokenizer.json",
@@ -211,7 +211,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
     s = model.stats
     assert (s.prompt_tokens, s.new_tokens, s.stopped_by) == (5, len(ids), "max_new_tokens")
     assert s.time_to_first_token_s == pytest.approx(0.02) and s.decode_tokens_per_s == 40.0
-    assert model.report.inference_speed == 12.5 and model.report.model_load_s == pytest.approx(0.8)
+    assert model.backend.report.inference_speed == 12.5 and model.backend.report.model_load_s == pytest.approx(0.8)
 
     # The runner's own end tokens stop the returned sequence; the first one ends it.
     eos_text = " is<eos> more"
@@ -219,7 +219,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
     reply.write_text(json.dumps({"text": eos_text, "observer": {**observer, "generated_tokens": len(eos_ids) - 1}}))
     out = model.generate(prompt, max_new_tokens=10)
     assert out[0, len(prompt):].tolist() == eos_ids[: eos_ids.index(1) + 1] and model.stats.stopped_by == "eos"
-    assert 1 in model.runner_stop_ids
+    assert 1 in model.backend.runner_stop_ids
 
     # A request past the context: --seq_len is the context length, the runner gives what fits.
     long_text = " the statement is executed, then the loop ends"
@@ -263,7 +263,7 @@ def test_adb_errors(artifact, setup, phone, monkeypatch, tmp_path):
     phone.set(devices=[["A1", "offline"]])
     with pytest.raises(DeviceError, match="A1 is offline: reconnect"):
         load(artifact)
-    with pytest.raises(ValueError, match="expected one of: host, adb, adb:SERIAL"):
+    with pytest.raises(ValueError, match="expected one of: host, runner, adb, adb:SERIAL"):
         load(artifact, device="phone")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(DeviceError, match="adb was not found on PATH. Install Android's platform-tools"):
@@ -310,7 +310,7 @@ def test_missing_runner_libraries_and_old_qairt(artifact, setup, phone, monkeypa
     old = write_sdk(tmp_path / "old-sdk", build_id="v2.43.0.250101000000")
     with pytest.raises(QnnSdkError, match=r"compiled with QAIRT 2.49 .* runtime here is QAIRT 2.43"):
         load(artifact, qnn_sdk_root=old)
-    with pytest.raises(ValueError, match="options of device='adb', not of the host"):
+    with pytest.raises(ValueError, match="options of device='runner' or 'adb', not of the host"):
         load(artifact, device="host", runner=runner)
 
 
@@ -367,7 +367,6 @@ real_runner = pytest.mark.skipif(
     reason="QNN_LLAMA_RUNNER is not set: build ExecuTorch's qnn_llama_runner for x86 with ExecuTorch's "
     "backends/qualcomm/scripts/build.sh (see the README section 'Run on a phone') and point QNN_LLAMA_RUNNER at it",
 )
-A16W8_CTX, A16W8_PREFILL = 64, 16
 
 
 @pytest.fixture()
@@ -387,33 +386,6 @@ def x86_phone(phone, tmp_path, qnn_sdk) -> Path:
         (sdk / name).write_bytes(b"")
     phone.set(env={"LD_LIBRARY_PATH": str(ort.parent / "onnxruntime_qnn.libs")})
     return sdk
-
-
-@pytest.fixture(scope="module")
-def a16w8_export(demo_model_dir, tmp_path_factory, qnn_sdk):
-    """16a8w exports of the demo model (weights not shared), built on first use: mode -> artifact folder."""
-    from optimum_qnn.calibration import CalibrationSource
-    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
-
-    import tiny_gemma4  # on sys.path through the demo_model_dir fixture
-
-    calib = tmp_path_factory.mktemp("calib") / "calib.txt"
-    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
-    built = {}
-
-    def get(mode: str) -> Path:
-        if mode not in built:
-            out = tmp_path_factory.mktemp(f"16a8w-{mode}")
-            config = ExportConfig(
-                socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.parse(mode),
-                shapes=ShapeConfig(A16W8_CTX, A16W8_PREFILL), embedding_quant=EmbeddingQuant(8, 0), weight_sharing=False,
-            )
-            export(demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8))
-            built[mode] = out
-        return built[mode]
-
-    return get
 
 
 @real_runner
@@ -441,8 +413,8 @@ def test_real_runner_generates_the_emulator_tokens(which, request, x86_phone, de
     for text in texts:
         prompt = [2] + tok(text)["input_ids"]
         got = phone_model.generate(prompt, max_new_tokens=32)
-        want = host.generate(prompt, max_new_tokens=32, eos_token_id=sorted(phone_model.runner_stop_ids))
-        report = phone_model.report
+        want = host.generate(prompt, max_new_tokens=32, eos_token_id=sorted(phone_model.backend.runner_stop_ids))
+        report = phone_model.backend.report
         print(f"{which} prompt {len(prompt)}: runner {got.shape[1] - len(prompt)} tokens ({phone_model.stats.stopped_by}), "
               f"equal={got.tolist() == want.tolist()}, decode {phone_model.stats.decode_tokens_per_s:.1f} tok/s, "
               f"load {report.model_load_s:.1f} s")
@@ -466,6 +438,6 @@ def test_real_runner_with_a_prefill_chunk_longer_than_the_window(quant, ar_len, 
     for n in (24, 4):
         prompt = PROMPTS[n]
         got = phone_model.generate(prompt, max_new_tokens=16)
-        want = host.generate(prompt, max_new_tokens=16, eos_token_id=sorted(phone_model.runner_stop_ids))
+        want = host.generate(prompt, max_new_tokens=16, eos_token_id=sorted(phone_model.backend.runner_stop_ids))
         print(f"{quant} chunk {ar_len} prompt {n}: runner {got.shape[1] - n} tokens, equal={got.tolist() == want.tolist()}")
-        assert got.tolist() == want.tolist(), (quant, ar_len, n, phone_model.report.text)
+        assert got.tolist() == want.tolist(), (quant, ar_len, n, phone_model.backend.report.text)

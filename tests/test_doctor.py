@@ -118,7 +118,7 @@ def test_model_loading_refuses_an_executorch_without_qnn(qnn_sdk, tmp_path, monk
     from executorch.extension.pybindings import portable_lib
     from executorch.runtime import Runtime
 
-    from optimum_qnn.modeling import _load_program
+    from optimum_qnn.program import load_program
 
     def load_attempted():
         raise AssertionError("the program was loaded by an ExecuTorch without QNN")
@@ -132,5 +132,13 @@ def test_model_loading_refuses_an_executorch_without_qnn(qnn_sdk, tmp_path, monk
         versions=SimpleNamespace(qairt_build_id=qnn_sdk.build_id),
     )
     with pytest.raises(QnnBackendMissingError) as info:
-        _load_program(pte, manifest)
+        load_program(pte, _facts(manifest))
     assert str(info.value) == qnn_backend_missing_message(["XnnpackBackend"], "x86_64", "Linux")
+
+
+def _facts(manifest):
+    """The loading facts of a manifest stand-in that has only a contract and versions."""
+    from optimum_qnn.program import ProgramFacts
+
+    return ProgramFacts("0" * 64, ("kv_forward",), manifest.contract.weight_sharing, manifest.contract.shards,
+                        manifest.versions.qairt_build_id)

@@ -1,4 +1,4 @@
-"""optimum_qnn.evaluation: windows, perplexity and SQNR, checked against Hugging Face's own loss (CPU only; the
+"""optimum_qnn.exporter.evaluation: windows, perplexity and SQNR, checked against Hugging Face's own loss (CPU only; the
 exported side is checked end to end by the --evaluate run in test_export.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from optimum_qnn import StaticCausalLM
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.evaluation import score, windows
+from optimum_qnn.exporter.evaluation import score, windows
 from tests.gemma4_tiny import tiny_config, tiny_model
 
 
@@ -72,7 +72,7 @@ def test_evaluate_refuses_weight_shared_hybrid_on_x86_before_loading(tmp_path, m
     import platform
 
     from optimum_qnn.config import ExportConfig, ExportMode
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     text = tmp_path / "eval.txt"

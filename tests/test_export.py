@@ -71,7 +71,7 @@ def test_fp16_greedy_matches_hf_and_logits_sqnr(fp16_model, hf_model, prompts):
         got_ids = fp16_model.generate(prompt, max_new_tokens=32, eos_token_id=[])
         assert got_ids.tolist() == ref_ids.tolist()
         # Logits of every step: teacher-force HF's sequence through the .pte.
-        session = fp16_model._session
+        session = fp16_model.backend.session
         session.reset()
         got_logits = session.feed(ref_ids[0, :-1])[len(prompt) - 1 :]
         sqnr = sqnr_db(got_logits, ref_logits)
@@ -80,7 +80,7 @@ def test_fp16_greedy_matches_hf_and_logits_sqnr(fp16_model, hf_model, prompts):
 
 def test_prefill_equals_decode_steps(fp16_model):
     """The hybrid .pte's two methods agree: N tokens through prefill == the same N tokens one by one."""
-    session = fp16_model._session
+    session = fp16_model.backend.session
     ids = torch.randint(3, 500, (PREFILL,), generator=torch.Generator().manual_seed(0))
     session.reset()
     by_prefill = session.feed_method("prefill_forward", ids)
@@ -94,7 +94,7 @@ def test_prefill_equals_decode_steps(fp16_model):
 
 
 def test_every_decoder_op_runs_on_the_htp(fp16_export):
-    from optimum_qnn.manifest import read_manifest
+    from optimum_qnn.artifacts.manifest import read_manifest
 
     table = fp16_export.delegation["SM8650"]
     for line in table.splitlines()[1:]:
@@ -114,7 +114,7 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     out, proc = cli_16a8w_export
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
 
     paragraphs = tiny_gemma4.corpus().split("\n\n")
     # The JSONL calibration file (the README's form) reads as the paragraphs it was written from.
@@ -131,7 +131,7 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/16a8w-ctx64"]
 
     from optimum_qnn import StaticCausalLM
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     model = QNNModelForCausalLM.from_pretrained(out)
@@ -139,7 +139,7 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     static = StaticCausalLM.from_hf(load_text_model(demo_model_dir)[0], max_context_len=64)
     ids = torch.tensor([2] + list(range(40, 72)))  # 33 tokens: two prefill calls, then one decode call
     ref = static.session().feed(ids)
-    session = model._session
+    session = model.backend.session
     per_method = {}
     for method in ("prefill_forward", "kv_forward"):
         session.reset()
@@ -158,8 +158,8 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     # --evaluate: the manifest says what quantization did, and its fp32 perplexity is Hugging Face's own loss.
     from transformers import AutoTokenizer
 
-    from optimum_qnn.evaluation import windows
-    from optimum_qnn.hub import model_card
+    from optimum_qnn.exporter.evaluation import windows
+    from optimum_qnn.artifacts.hub import model_card
 
     evaluation = model.manifest.evaluation
     print(f"16a8w --evaluate: {evaluation}")
@@ -188,7 +188,7 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
 
 def test_one_export_per_soc(random_kv_export):
     """--soc with several SoCs: loaded and exported once, lowered per SoC; each binary names its SoC."""
-    from optimum_qnn.inspection.pte import qnn_delegates
+    from optimum_qnn.artifacts.inspection.pte import qnn_delegates
 
     result = random_kv_export
     socs = tuple(Soc.parse(s) for s in RANDOM_SOCS)
@@ -210,7 +210,7 @@ def test_optimum_cli_help():
 
 def test_too_many_shards_fail_before_calibration(random_model_dir, tmp_path, monkeypatch):
     """A --shards larger than the model's layer count is refused right after the swap, not after calibration."""
-    from optimum_qnn import export as export_module
+    from optimum_qnn.exporter import pipeline as export_module
 
     def calibration_ran(*args, **kwargs):
         raise AssertionError("calibration ran before --shards was checked")
@@ -225,7 +225,7 @@ def test_too_many_shards_fail_before_calibration(random_model_dir, tmp_path, mon
 
 def test_stage_peak_rss_is_the_stage_s_own():
     """Each stage reports the highest RSS while it ran, not the process's peak so far (which only grows)."""
-    from optimum_qnn.export import ExportResult, _rss_mb, _stage
+    from optimum_qnn.exporter.pipeline import ExportResult, _rss_mb, _stage
 
     result = ExportResult(output=None)
     with _stage(result, "big"):
@@ -242,8 +242,8 @@ def test_stage_peak_rss_is_the_stage_s_own():
 def test_calibration_without_tokenizer_fills_a_long_prefill_call(random_model_dir):
     """No tokenizer and a prefill call longer than 64 tokens: the random-id calibration still covers whole calls
     (it once produced 64 ids, fewer than one 80-token call, so nothing was observed and quantization failed)."""
-    from optimum_qnn.calibration import CalibrationSource
-    from optimum_qnn.export import ExportResult, _quantize
+    from optimum_qnn.quantization.calibration import CalibrationSource
+    from optimum_qnn.exporter.pipeline import ExportResult, _quantize
     from optimum_qnn.models.gemma4 import StaticCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
 
@@ -260,9 +260,9 @@ def test_calibration_without_tokenizer_fills_a_long_prefill_call(random_model_di
 def test_bf16_checkpoint_exports_with_tables_in_stored_dtype(tmp_path, qnn_sdk):
     """A bf16 checkpoint (as Google ships Gemma4): the export keeps the embedding tables in bf16 until they are
     quantized, gives the HTP an fp32 lm_head, and the .pte matches the fp32 model of the same weights."""
-    from optimum_qnn.evaluation import sqnr_db as mean_sqnr_db
-    from optimum_qnn.export import export
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.exporter.evaluation import sqnr_db as mean_sqnr_db
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4 import StaticCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
     from tests.gemma4_tiny import tiny_config, tiny_model
@@ -275,7 +275,7 @@ def test_bf16_checkpoint_exports_with_tables_in_stored_dtype(tmp_path, qnn_sdk):
     ids = torch.tensor([2] + list(range(10, 30)))
     hf = load_text_model(folder)[0]
     ref = StaticCausalLM.from_hf(hf, max_context_len=32).session().feed(ids)
-    got = model._session.feed(ids)
+    got = model.backend.session.feed(ids)
     with torch.no_grad():
         greedy = hf.generate(ids.unsqueeze(0), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     print(f"bf16 checkpoint, fp16 .pte vs fp32: {mean_sqnr_db(got, ref):.1f} dB; stages:\n{result.stage_table()}")
@@ -287,9 +287,9 @@ def test_defaults_fit_a_model_48_wide(tmp_path, monkeypatch, qnn_sdk):
     """Default flags on a valid Gemma4 whose width (48) is not a multiple of 32: the quantized export picks 4-bit
     tables in groups of 16 (it used to refuse: "Embedding dim 48 is not a multiple of the group size 32"), and an
     fp16 export keeps float tables. Each export stops where the next stage would start."""
-    import optimum_qnn.export as export_module
-    import optimum_qnn.lowering as lowering
-    from optimum_qnn.embedding import QuantizedEmbedding
+    import optimum_qnn.exporter.pipeline as export_module
+    import optimum_qnn.exporter.lowering as lowering
+    from optimum_qnn.quantization.embedding import QuantizedEmbedding
     from tests.gemma4_tiny import tiny_config, tiny_model
 
     folder = tmp_path / "w48"
@@ -338,9 +338,9 @@ def load_hf(folder):
 def test_export_folder_has_its_model_card_and_no_local_path(demo_kv_export, demo_model_dir, tmp_path):
     """The artifact folder is complete as it will be published: README.md beside the index (not only on the Hub),
     and the manifest names the source model by its folder's name, never by the exporting machine's path."""
-    from optimum_qnn.export import source_model_id
-    from optimum_qnn.hub import CARD_MARKER
-    from optimum_qnn.manifest import read_manifest
+    from optimum_qnn.exporter.pipeline import source_model_id
+    from optimum_qnn.artifacts.hub import CARD_MARKER
+    from optimum_qnn.artifacts.manifest import read_manifest
 
     card = (demo_kv_export / "README.md").read_text()
     assert CARD_MARKER in card and "`qnn/sm8650/fp16-ctx64-kv`" in card
@@ -362,4 +362,4 @@ def test_model_class_is_importable_from_the_package(run_python):
         "from optimum_qnn import QNNModelForCausalLM; print(QNNModelForCausalLM.__module__, 'QNNModelForCausalLM' in optimum_qnn.__all__)",
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["optimum_qnn.modeling", "True"]
+    assert proc.stdout.split() == ["optimum_qnn.runtime.modeling", "True"]

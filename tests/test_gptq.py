@@ -18,8 +18,8 @@ def _correlated_inputs(n: int, features: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_gptq_rounds_onto_the_given_scales_and_lowers_the_output_error():
-    from optimum_qnn.gptq import gptq_round
-    from optimum_qnn.weight_search import input_hessians
+    from optimum_qnn.quantization.gptq import gptq_round
+    from optimum_qnn.quantization.weight_search import input_hessians
 
     torch.manual_seed(0)
     linear = nn.Linear(128, 48, bias=False)
@@ -47,7 +47,7 @@ def test_gptq_rounds_onto_the_given_scales_and_lowers_the_output_error():
 
 
 def test_gptq_with_per_channel_scales_and_dead_inputs():
-    from optimum_qnn.gptq import gptq_round
+    from optimum_qnn.quantization.gptq import gptq_round
 
     torch.manual_seed(1)
     w = torch.randn(16, 32)
@@ -84,9 +84,10 @@ class _Shared(nn.Module):
 def test_apply_gptq_rewrites_the_4bit_weights_of_every_graph_alike(qnn_sdk):
     """In PT2E: convert recovers GPTQ's integers exactly from the observers' own scales, both graphs get the same
     quantized weight (one constant), the 8-bit weight and the float module are untouched."""
-    from optimum_qnn.gptq import apply_gptq, gptq_round, observer_scales
-    from optimum_qnn.quantization import WEIGHT_OPS, _module_path, convert, make_quantizer, prepare, quantize_shared
-    from optimum_qnn.weight_search import input_hessians
+    from optimum_qnn.quantization.gptq import apply_gptq, gptq_round, observer_scales
+    from optimum_qnn.quantization.pt2e import WEIGHT_OPS, _module_path, convert, make_quantizer, prepare
+    from optimum_qnn.quantization.shared import quantize_shared
+    from optimum_qnn.quantization.weight_search import input_hessians
 
     model = _Shared().eval()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

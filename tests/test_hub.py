@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.artifacts import INDEX_NAME
+from optimum_qnn.artifacts.writer import INDEX_NAME
 
 # The repositories olah serves are git repositories built here (README: `make test` needs git).
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the Hub tests build git repositories: install git")
@@ -48,7 +48,7 @@ def run(action):
     kind = action["kind"]
     try:
         if kind == "load":
-            from optimum_qnn.modeling import QNNModelForCausalLM
+            from optimum_qnn.runtime.modeling import QNNModelForCausalLM
             model = QNNModelForCausalLM.from_pretrained(action["repo"], soc=action.get("soc"), revision=action.get("revision"))
             out = model.generate(action["prompt"], max_new_tokens=4).reshape(-1).tolist()
             return {"root": str(model.root), "files": files_under(model.root), "tokens": out,
@@ -75,7 +75,7 @@ for action in json.loads(sys.argv[1]):
 
 def _keep_variants(folder: Path, keep: set[str]) -> None:
     """Delete every variant of ``folder`` but ``keep`` and list only those in its index."""
-    from optimum_qnn.artifacts import atomic_write_text, read_index
+    from optimum_qnn.artifacts.writer import atomic_write_text, read_index
 
     index = read_index(folder)
     for v in index["variants"]:
@@ -89,7 +89,7 @@ def _keep_variants(folder: Path, keep: set[str]) -> None:
 def artifacts(random_kv_export, tmp_path_factory):
     """The session's export of the random model (shared with test_export): ``v1`` holds its SM8650 variant only,
     ``full`` SM8650 and SM8750."""
-    from optimum_qnn.hub import write_model_card
+    from optimum_qnn.artifacts.hub import write_model_card
 
     base = tmp_path_factory.mktemp("hub-artifacts")
     full, v1 = base / "full", base / "v1"
@@ -231,7 +231,7 @@ def client(hub, run_python, tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_tokens(artifacts, qnn_sdk):
     """Greedy tokens of each SoC's variant, loaded from the local folder (the reference for Hub loads)."""
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     out = {}
     for soc in ("SM8650", "SM8750"):
@@ -381,8 +381,8 @@ def test_export_from_a_hub_model_id_and_push(hub, client, random_model_dir, loca
     what the local export does, and the pushed repo downloads back byte for byte."""
     from huggingface_hub import ModelCard
 
-    from optimum_qnn.manifest import read_manifest, sha256_file
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.artifacts.manifest import read_manifest, sha256_file
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     out, hf_home, pushed = tmp_path / "out", tmp_path / "hf", f"{ORG}/gemma4-tiny-cli-pushed"
     proc = run_python(
@@ -415,70 +415,6 @@ def test_export_from_a_hub_model_id_and_push(hub, client, random_model_dir, loca
 
 
 # --- publishing -----------------------------------------------------------------------------------------------
-
-
-def test_dry_run_plan(artifacts):
-    from optimum_qnn.hub import push_to_hub
-
-    full = artifacts["full"]
-    card_before = (full / "README.md").read_bytes()
-    plan = push_to_hub(full, PUSHED_REPO, dry_run=True, commit_message="Export")
-    assert (full / "README.md").read_bytes() == card_before  # dry run writes nothing
-    root = sorted(name for name in _root_files(full) if name != INDEX_NAME)
-    assert "config.json" in root and "README.md" in root
-    assert [c.files for c in plan.commits] == [
-        tuple(root),
-        tuple(sorted([INDEX_NAME, f"{V8650}/manifest.json", f"{V8650}/model.pte"])),
-        tuple(sorted([INDEX_NAME, f"{V8750}/manifest.json", f"{V8750}/model.pte"])),
-    ]
-    assert [c.variant for c in plan.commits] == [None, V8650, V8750]
-    assert all(c.message.startswith("Export: ") for c in plan.commits)
-    assert plan.files == sorted(set(root) | {INDEX_NAME} | set(_variant_files(full, V8650)) | set(_variant_files(full, V8750)))
-    assert plan.commit_urls == []
-
-
-def test_dry_run_refuses_a_corrupt_variant(artifacts, tmp_path):
-    from optimum_qnn.hub import push_to_hub
-    from optimum_qnn.manifest import ManifestError
-
-    folder = tmp_path / "out"
-    shutil.copytree(artifacts["full"], folder)
-    pte = folder / V8650 / "model.pte"
-    data = bytearray(pte.read_bytes())
-    data[-1] ^= 0xFF  # same size, other content
-    pte.write_bytes(bytes(data))
-    with pytest.raises(ManifestError, match=f"{V8650}/model.pte"):
-        push_to_hub(folder, PUSHED_REPO, dry_run=True)
-
-
-def test_model_card_metadata(artifacts, tmp_path):
-    import dataclasses
-
-    from huggingface_hub import ModelCard
-
-    from optimum_qnn.hub import model_card
-    from optimum_qnn.manifest import read_manifest
-
-    card = ModelCard((artifacts["full"] / "README.md").read_text())
-    data = card.data.to_dict()
-    assert data["library_name"] == "executorch"
-    assert data["pipeline_tag"] == "text-generation"
-    assert data["license"] == "gemma"
-    assert data["tags"] == ["executorch", "qnn", "qualcomm", "gemma4", "sm8650", "sm8750", "fp16"]
-    assert "base_model" not in data  # the source was a local folder, not a Hub id
-    for soc, arch in (("SM8650", 75), ("SM8750", 79)):
-        manifest = read_manifest(artifacts["full"] / f"qnn/{soc.lower()}/fp16-ctx32-kv")
-        assert manifest.target.htp_arch == arch
-        row = f"| `qnn/{soc.lower()}/fp16-ctx32-kv` | {soc} | v{arch} | fp16 | 32 | kv |"
-        assert row in card.text and manifest.versions.qairt_build_id in card.text
-
-    # A source given by Hub id becomes base_model.
-    folder = tmp_path / "out"
-    shutil.copytree(artifacts["full"], folder)
-    for variant in (V8650, V8750):
-        m = read_manifest(folder / variant)
-        dataclasses.replace(m, source=dataclasses.replace(m.source, model_id="google/gemma-4-e2b-it")).write(folder / variant)
-    assert ModelCard(model_card(folder)).data.base_model == "google/gemma-4-e2b-it"
 
 
 class GitHubApi:
@@ -519,7 +455,7 @@ class GitHubApi:
 def test_push_commits_one_variant_at_a_time_and_round_trips(artifacts, hub, client, monkeypatch, tmp_path):
     import huggingface_hub
 
-    from optimum_qnn.hub import push_to_hub
+    from optimum_qnn.artifacts.hub import push_to_hub
 
     folder = tmp_path / "out"
     shutil.copytree(artifacts["full"], folder)
@@ -547,39 +483,3 @@ def test_push_commits_one_variant_at_a_time_and_round_trips(artifacts, hub, clie
     assert res["files"] == plan.files
     for name in plan.files:
         assert (Path(res["root"]) / name).read_bytes() == (folder / name).read_bytes(), name
-
-
-@pytest.mark.skipif(
-    not (os.environ.get("HF_TOKEN") and os.environ.get("OPTIMUM_QNN_TEST_REAL_HUB") == "1"),
-    reason="pushes to the real Hub: set HF_TOKEN and OPTIMUM_QNN_TEST_REAL_HUB=1",
-)
-def test_push_to_real_hub(artifacts, tmp_path):  # pragma: no cover - needs network and a token
-    import uuid
-
-    from huggingface_hub import HfApi
-
-    from optimum_qnn.hub import push_to_hub
-
-    api = HfApi(token=os.environ["HF_TOKEN"])
-    repo_id = f"{api.whoami()['name']}/optimum-qnn-test-{uuid.uuid4().hex[:8]}"
-    folder = tmp_path / "out"
-    shutil.copytree(artifacts["full"], folder)
-    try:
-        plan = push_to_hub(folder, repo_id, token=os.environ["HF_TOKEN"], private=True)
-        assert len(plan.commit_urls) == 3
-        assert sorted(api.list_repo_files(repo_id)) == sorted([*plan.files, ".gitattributes"])
-    finally:
-        api.delete_repo(repo_id, missing_ok=True)
-
-
-def test_cli_push_to_hub_arguments():
-    import argparse
-
-    from optimum_qnn.cli import add_export_arguments
-
-    parser = argparse.ArgumentParser()
-    add_export_arguments(parser)
-    args = parser.parse_args(["-m", "m", "-o", "out", "--push-to-hub", "org/name", "--private"])
-    assert (args.push_to_hub, args.private) == ("org/name", True)
-    args = parser.parse_args(["-m", "m", "-o", "out"])
-    assert (args.push_to_hub, args.private) == (None, False)

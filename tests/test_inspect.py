@@ -1,4 +1,4 @@
-"""optimum_qnn.inspection: the QNN context binaries of a .pte read back with the QNN System library, and the
+"""optimum_qnn.artifacts.inspection: the QNN context binaries of a .pte read back with the QNN System library, and the
 weight-shared (phone) build checked against the non-shared (emulator) build of the same export."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 from optimum_qnn.errors import OptimumQnnError
-from optimum_qnn.inspection import (
+from optimum_qnn.artifacts.inspection import (
     ContextReport,
     GraphReport,
     PteReport,
     QnnInspectError,
     compare_builds,
 )
-from optimum_qnn.inspection.pte import qnn_delegates, strip_context_header
-from optimum_qnn.inspection.qnn_system import Encoding, TensorInfo
+from optimum_qnn.artifacts.inspection.pte import qnn_delegates, strip_context_header
+from optimum_qnn.artifacts.inspection.qnn_system import Encoding, TensorInfo
 
 # --- pure: the delegate payload, the comparison ---------------------------------------------------------------
 
@@ -108,10 +108,10 @@ def sharing_export(demo_model_dir, tmp_path_factory, qnn_sdk):
     non-shared lowering the export compares against is also written to disk, so the test reads both files itself."""
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    import optimum_qnn.inspection as inspection
-    from optimum_qnn.calibration import CalibrationSource
+    import optimum_qnn.artifacts.inspection as inspection
+    from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
+    from optimum_qnn.exporter.pipeline import export
 
     work = tmp_path_factory.mktemp("sharing")
     unshared_pte = work / "unshared.pte"
@@ -147,8 +147,8 @@ def sharing_export(demo_model_dir, tmp_path_factory, qnn_sdk):
 
 @pytest.mark.slow  # two QNN lowerings of the demo model: about 4.5 min on an idle 2-core machine
 def test_shared_and_unshared_builds_hold_the_same_graphs(sharing_export):
-    from optimum_qnn.inspection import inspect_pte
-    from optimum_qnn.manifest import read_manifest
+    from optimum_qnn.artifacts.inspection import inspect_pte
+    from optimum_qnn.artifacts.manifest import read_manifest
 
     variant, unshared_pte = sharing_export
     shared, unshared = inspect_pte(variant / "model.pte"), inspect_pte(unshared_pte)
@@ -188,7 +188,7 @@ def test_shared_and_unshared_builds_hold_the_same_graphs(sharing_export):
 
 
 def test_inspect_command_text_and_json(fp16_export, run_python):
-    from optimum_qnn.manifest import read_manifest
+    from optimum_qnn.artifacts.manifest import read_manifest
 
     (variant,) = fp16_export.variants  # fp16 hybrid, weights not shared
     result = run_python("-m", "optimum_qnn", "inspect", str(variant / "model.pte"), "--json")
@@ -224,11 +224,11 @@ def test_inspection_does_not_import_the_exporter(fp16_export, run_python):
     (variant,) = fp16_export.variants
     code = (
         "import sys\n"
-        "from optimum_qnn.inspection import inspect_pte\n"
+        "from optimum_qnn.artifacts.inspection import inspect_pte\n"
         f"assert inspect_pte({str(variant / 'model.pte')!r}).contexts\n"
         # (`import torch` itself loads torch.export; what must stay out is the exporter and ExecuTorch's exir)
-        "bad = [m for m in sys.modules if m.startswith(('optimum_qnn.export', 'optimum_qnn.quantization', "
-        "'optimum_qnn.lowering', 'optimum_qnn.calibration', 'executorch.exir', 'torchao'))]\n"
+        "bad = [m for m in sys.modules if m.startswith(('optimum_qnn.exporter.pipeline', 'optimum_qnn.quantization.pt2e', "
+        "'optimum_qnn.exporter.lowering', 'optimum_qnn.quantization.calibration', 'executorch.exir', 'torchao'))]\n"
         "assert not bad, bad\n"
     )
     result = run_python("-c", code)

@@ -15,7 +15,8 @@ import pytest
 CHILD = r"""
 import gc, json, sys, torch
 gc.disable()  # models must be freed by reference counting alone
-from optimum_qnn.modeling import QNNModelForCausalLM, _LoadedProgram
+from optimum_qnn.program import LoadedProgram as _LoadedProgram
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
 out = sys.argv[1]
 ids = torch.tensor([2, 40, 41])

@@ -1,4 +1,4 @@
-"""optimum_qnn.lowering: real QNN compiles (QAIRT 2.49.40 libraries) and runs on the x86 HTP emulator.
+"""optimum_qnn.exporter.lowering: real QNN compiles (QAIRT 2.49.40 libraries) and runs on the x86 HTP emulator.
 
 Each lowering costs seconds, so the lowered programs are module-scoped fixtures shared by the checks.
 
@@ -16,9 +16,9 @@ from torch import nn
 import pytest
 
 from optimum_qnn.config import Soc
-from optimum_qnn.inspection.pte import qnn_delegates
-from optimum_qnn.delegation import format_delegation
-from optimum_qnn.lowering import compile_specs, lower_to_pte
+from optimum_qnn.artifacts.inspection.pte import qnn_delegates
+from optimum_qnn.exporter.delegation import format_delegation
+from optimum_qnn.exporter.lowering import compile_specs, lower_to_pte
 
 FP16_MAX_ABS = 5e-3
 FP16_MIN_COSINE = 0.99999
@@ -305,7 +305,7 @@ def test_softcap_on_the_htp(qnn_sdk, scheme, rows):
     -2.4 dB (16a8w, rows 2..) and 40.5 dB (fp16, 1 row) here; see optimum_qnn/ops/softcap.py."""
     from optimum_qnn.config import QuantScheme
     from optimum_qnn.ops.softcap import softcap
-    from optimum_qnn.quantization import make_quantizer, quantize
+    from optimum_qnn.quantization.pt2e import make_quantizer, quantize
 
     class LmHead(nn.Module):
         def __init__(self):

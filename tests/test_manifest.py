@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import optimum_qnn
 from optimum_qnn.errors import OptimumQnnError
-from optimum_qnn.manifest import (
+from optimum_qnn.artifacts.manifest import (
     Contract,
     FileEntry,
     Layer,
@@ -66,8 +66,8 @@ def test_round_trip(tmp_path):
 
 
 def test_schema_file_matches_the_dataclasses():
-    shipped = json.loads((Path(optimum_qnn.__file__).parent / "manifest.schema.json").read_text())
-    assert shipped == json_schema(), "regenerate optimum_qnn/manifest.schema.json from manifest.json_schema()"
+    shipped = json.loads((Path(optimum_qnn.__file__).parent / "artifacts" / "manifest.schema.json").read_text())
+    assert shipped == json_schema(), "regenerate optimum_qnn/artifacts/manifest.schema.json from manifest.json_schema()"
 
 
 @pytest.mark.parametrize(

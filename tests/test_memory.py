@@ -1,4 +1,4 @@
-"""The export's memory estimate (optimum_qnn.memory): parameter counts from the config alone, the fit against the
+"""The export's memory estimate (optimum_qnn.exporter.memory): parameter counts from the config alone, the fit against the
 exports measured on this machine, the shard count chosen from it, and the refusal before any weight is read.
 No export runs here."""
 
@@ -16,7 +16,7 @@ from optimum_qnn.config import (
     EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, WeightRanges, WeightRounding, recipe_fields,
 )
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.memory import (
+from optimum_qnn.exporter.memory import (
     FIT_ERROR_GB,
     GB_BYTES,
     CgroupFiles,
@@ -203,8 +203,8 @@ def e2b_folder_with_garbage_weights(tmp_path: Path) -> Path:
 
 
 def test_too_small_budget_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
-    import optimum_qnn.export as export_module
-    from optimum_qnn.export import export
+    import optimum_qnn.exporter.pipeline as export_module
+    from optimum_qnn.exporter.pipeline import export
 
     monkeypatch.setattr(export_module, "load_text_model", lambda *a, **k: pytest.fail("the model was loaded"))
     folder = e2b_folder_with_garbage_weights(tmp_path)
@@ -250,7 +250,7 @@ def test_cli_refuses_a_half_gigabyte_budget_with_exit_2(random_model_dir, run_py
 
 
 def test_export_prints_its_choice_before_loading(random_model_dir, tmp_path, monkeypatch, caplog):
-    import optimum_qnn.export as export_module
+    import optimum_qnn.exporter.pipeline as export_module
 
     class Loaded(Exception):
         pass

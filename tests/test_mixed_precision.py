@@ -80,7 +80,7 @@ def test_cli_maps_the_recipe_and_lets_options_override_it():
 
 
 def test_plan_ranks_by_noise_per_parameter_within_the_budget():
-    from optimum_qnn.mixed_precision import plan
+    from optimum_qnn.quantization.mixed_precision import plan
 
     # big: the worst alone, but 10x the parameters; small1/small2 each cost more per parameter.
     sensitivity = {"big": 20.0, "small1": 25.0, "small2": 26.0, "quiet": 60.0}
@@ -108,8 +108,8 @@ class _TwoLinears(nn.Module):
 
 
 def test_sensitivity_measures_each_linear_alone_and_restores_it():
-    from optimum_qnn.mixed_precision import htp_linears, measure_sensitivity
-    from optimum_qnn.weight_search import fake_quantize_weight
+    from optimum_qnn.quantization.mixed_precision import htp_linears, measure_sensitivity
+    from optimum_qnn.quantization.weight_search import fake_quantize_weight
 
     model = _TwoLinears()
     before = {n: p.clone() for n, p in model.named_parameters()}
@@ -135,7 +135,7 @@ class _Gained(_TwoLinears):
 
 
 def test_probe_sensitivity_estimates_the_exact_measure():
-    from optimum_qnn.mixed_precision import htp_linears, measure_sensitivity, probe_sensitivity
+    from optimum_qnn.quantization.mixed_precision import htp_linears, measure_sensitivity, probe_sensitivity
 
     torch.manual_seed(0)
     model = _Gained()
@@ -170,8 +170,8 @@ class _Chain(nn.Module):
 def test_probes_keep_bf16_weights_as_stored():
     """With bf16 weights upcast in the graph (weights.UpcastLinear), the probes give what they give in fp32 and keep no
     fp32 copy of a weight for the backward passes; the linears' own forward is back afterwards."""
-    from optimum_qnn.mixed_precision import htp_linears, probe_sensitivity
-    from optimum_qnn.weights import UpcastLinear, upcast_in_graph
+    from optimum_qnn.quantization.mixed_precision import htp_linears, probe_sensitivity
+    from optimum_qnn.quantization.weights import UpcastLinear, upcast_in_graph
 
     torch.manual_seed(0)
     model = _Chain().to(torch.bfloat16)
@@ -197,7 +197,7 @@ def test_probes_keep_bf16_weights_as_stored():
 
 
 def test_input_rows_share_one_chunk_per_input_tensor():
-    from optimum_qnn.weight_search import input_rows
+    from optimum_qnn.quantization.weight_search import input_rows
 
     a, b, c = nn.Linear(16, 8), nn.Linear(16, 4), nn.Linear(8, 2)
     x = torch.randn(3, 5, 16)
@@ -214,7 +214,7 @@ def test_input_rows_share_one_chunk_per_input_tensor():
 
 
 def test_output_mse_clips_lower_the_output_error():
-    from optimum_qnn.weight_search import CLIP_GRID, fake_quantize_weight, input_rows, output_mse_clips
+    from optimum_qnn.quantization.weight_search import CLIP_GRID, fake_quantize_weight, input_rows, output_mse_clips
 
     torch.manual_seed(0)
     linear = nn.Linear(128, 32, bias=False)
@@ -235,8 +235,8 @@ def test_output_mse_clips_lower_the_output_error():
 
 
 def test_apply_clips_scales_the_4bit_observers_only(qnn_sdk):
-    from optimum_qnn.quantization import convert, make_quantizer, prepare
-    from optimum_qnn.weight_search import apply_clips
+    from optimum_qnn.quantization.pt2e import convert, make_quantizer, prepare
+    from optimum_qnn.quantization.weight_search import apply_clips
 
     model = _TwoLinears().eval()
     x = torch.randn(4, 64)
@@ -264,9 +264,9 @@ def test_apply_clips_scales_the_4bit_observers_only(qnn_sdk):
 
 
 def test_plan_goes_into_the_manifest_and_model_card():
-    from optimum_qnn.hub import _plan_section
-    from optimum_qnn.manifest import Quantization, _build, mixed_precision_section
-    from optimum_qnn.mixed_precision import plan
+    from optimum_qnn.artifacts.hub import _plan_section
+    from optimum_qnn.artifacts.manifest import Quantization, _build, mixed_precision_section
+    from optimum_qnn.quantization.mixed_precision import plan
 
     made = plan({"a": 20.0, "b": math.inf}, {"a": 10, "b": 10}, SizeBudget(share=0.5))
     quantization = Quantization("16a4w_block", 64, "8,0", 16, [], named_recipe="16a4w_e2b", weight_ranges="output-mse",
@@ -289,13 +289,13 @@ def test_recipe_beats_plain_16a4w_block_on_the_demo_model(demo_model_dir, qnn_sd
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
     from optimum_qnn.config import EmbeddingQuant, Soc
-    from optimum_qnn.evaluation import sqnr_db
-    from optimum_qnn.export import _lm_head_in_float32, _swap_embeddings_for_cpu
+    from optimum_qnn.exporter.evaluation import sqnr_db
+    from optimum_qnn.exporter.pipeline import _lm_head_in_float32, _swap_embeddings_for_cpu
     from optimum_qnn.models.gemma4 import StaticCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
-    from optimum_qnn.preflight import load_tokenizer
-    from optimum_qnn.ptq import quantize_static
-    from optimum_qnn.runner import KVSession
+    from optimum_qnn.exporter.preflight import load_tokenizer
+    from optimum_qnn.quantization.ptq import quantize_static
+    from optimum_qnn.session import KVSession
 
     ctx, prefill = 64, 16
     hf = load_text_model(demo_model_dir)[0]
@@ -325,8 +325,8 @@ def test_recipe_export_records_its_plan(random_model_dir, tmp_path, qnn_sdk):
     """A real export with the recipe: the plan is in the manifest, the kept linears got 8-bit weights, the variant is
     named after the recipe and the model card shows the plan."""
     from optimum_qnn.config import EmbeddingQuant, Soc
-    from optimum_qnn.export import export
-    from optimum_qnn.manifest import read_manifest
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.artifacts.manifest import read_manifest
 
     config = ExportConfig(**recipe_fields("16a4w_e2b"), socs=(Soc.SM8650,), mode=ExportMode.KV,
                           shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(8, 0))

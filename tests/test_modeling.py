@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQnnError
-from optimum_qnn.manifest import ManifestError
-from optimum_qnn.modeling import QNNModelForCausalLM, VariantNotFoundError, _pick
+from optimum_qnn.artifacts.manifest import ManifestError
+from optimum_qnn.runtime.generation import pick as _pick
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM, VariantNotFoundError
 from tests.conftest import FP16_CTX, FP16_PREFILL
 
 
@@ -219,7 +220,7 @@ def test_tampered_program_fails_the_sha256_check(artifact_copy):
 
 
 def test_truncated_program_with_matching_manifest_is_refused_cleanly(artifact_copy):
-    from optimum_qnn.manifest import file_entry, read_manifest
+    from optimum_qnn.artifacts.manifest import file_entry, read_manifest
 
     root, variant = artifact_copy
     pte = variant / "model.pte"

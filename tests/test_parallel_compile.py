@@ -1,4 +1,4 @@
-"""optimum_qnn.parallel_compile: shards compiled in forked workers, their failures, and their memory.
+"""optimum_qnn.exporter.parallel_compile: shards compiled in forked workers, their failures, and their memory.
 
 What "the same program" means here. libQnnHtp numbers the tensors and graphs of every context from process-wide
 counters that preparing and compiling a shard advance. A sequential lowering compiles shard i after shards 0..i-1
@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from optimum_qnn import parallel_compile
-from optimum_qnn.parallel_compile import _WorkerPool, workers_private_mb
+from optimum_qnn.exporter import parallel_compile
+from optimum_qnn.exporter.parallel_compile import _WorkerPool, workers_private_mb
 
 needs_fork = pytest.mark.skipif(not parallel_compile.fork_available(), reason="compile workers need Linux fork")
 
@@ -60,7 +60,7 @@ def stack_and_inputs():
 
 def lower_stack(workers: int):
     from optimum_qnn.config import Soc
-    from optimum_qnn.lowering import lower_to_pte
+    from optimum_qnn.exporter.lowering import lower_to_pte
 
     module, inputs = stack_and_inputs()
     programs = {name: (module, example) for name, example in inputs.items()}
@@ -180,7 +180,7 @@ def test_workers_private_memory_is_counted(tmp_path):
 @needs_fork
 def test_stage_peak_includes_the_workers_memory(tmp_path):
     """The export's per-stage peak counts what its compile workers hold, not only the parent's RSS."""
-    from optimum_qnn.export import ExportResult, _rss_mb, _stage
+    from optimum_qnn.exporter.pipeline import ExportResult, _rss_mb, _stage
 
     release, result = tmp_path / "release", ExportResult(tmp_path)
     before = _rss_mb()
@@ -214,8 +214,8 @@ def test_progress_bar_counts_compiled_shards_and_console_stays_quiet(caplog):
 
     from tqdm import tqdm
 
-    from optimum_qnn.export import _ShardProgress
-    from optimum_qnn.parallel_compile import progress_lines_to
+    from optimum_qnn.exporter.pipeline import _ShardProgress
+    from optimum_qnn.exporter.parallel_compile import progress_lines_to
 
     caplog.set_level(logging.INFO)
     bar = tqdm(desc="Lowering", total=None, file=io.StringIO())
@@ -240,7 +240,7 @@ def test_progress_bar_counts_compiled_shards_and_console_stays_quiet(caplog):
 
 def test_workers_below_one_are_refused(qnn_sdk):
     from optimum_qnn.config import Soc
-    from optimum_qnn.lowering import lower_to_pte
+    from optimum_qnn.exporter.lowering import lower_to_pte
 
     with pytest.raises(ValueError, match="workers must be >= 1"):
         lower_to_pte({"forward": (nn.Linear(4, 4), (torch.randn(1, 4),))}, Soc.SM8650, fp16=True, workers=0)
@@ -292,7 +292,7 @@ def test_parallel_program_computes_what_the_sequential_one_does(sequential_and_p
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (the CPU kernel of llama::fallback)
     from executorch.runtime import Runtime
 
-    from optimum_qnn.inspection.pte import qnn_delegates
+    from optimum_qnn.artifacts.inspection.pte import qnn_delegates
 
     (sequential, _), (parallel, _) = sequential_and_parallel
     assert parallel.delegation == sequential.delegation and parallel.shards == 3
@@ -318,7 +318,7 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
     itself from the same QNN state; every context binary in the .pte (the workers') equals the parent's."""
     from executorch.backends.qualcomm.python import PyQnnManagerAdaptor
 
-    from optimum_qnn.inspection.pte import qnn_delegates
+    from optimum_qnn.artifacts.inspection.pte import qnn_delegates
 
     in_parent: dict[int, bytes] = {}
     fork_and_compile = _WorkerPool.start

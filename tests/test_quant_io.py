@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, AttentionKind, LayerSpec, RunnerContract
 from optimum_qnn.ops.mask import MASK_MIN
-from optimum_qnn.quant_io import io_dtype, quantized_inputs
-from optimum_qnn.runner import KVSession
+from optimum_qnn.quantization.io import io_dtype, quantized_inputs
+from optimum_qnn.session import KVSession
 
 CONTEXT, AR, WINDOW, VOCAB = 24, 4, 5, 32
 LAYERS = (LayerSpec(0, AttentionKind.SLIDING, 8, 1, 0, 0), LayerSpec(1, AttentionKind.FULL, 16, 2, 1, 1))
@@ -111,11 +111,11 @@ def test_uint16_io_matches_float_io_on_the_emulator(demo_model_dir, tmp_path, qn
     """The same 16a8w demo export with uint16 and with float32 IO: same greedy tokens, logits SQNR >= 40 dB."""
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.evaluation import sqnr_db
-    from optimum_qnn.export import export
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.exporter.evaluation import sqnr_db
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     calib = tmp_path / "calib.txt"
     calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
@@ -134,8 +134,8 @@ def test_uint16_io_matches_float_io_on_the_emulator(demo_model_dir, tmp_path, qn
     assert tokens[False] == tokens[True]
     logits = {}
     for k, m in models.items():
-        m._session.reset()
-        logits[k] = m._session.feed(torch.tensor([2] + list(range(40, 100))))
+        m.backend.session.reset()
+        logits[k] = m.backend.session.feed(torch.tensor([2] + list(range(40, 100))))
     sqnr = sqnr_db(logits[False], logits[True])
     print(f"uint16 IO vs float IO: 32/32 greedy tokens equal, logits SQNR {sqnr:.1f} dB")
     assert sqnr >= 40

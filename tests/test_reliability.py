@@ -60,8 +60,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(demo_model_dir, demo_kv_export, tmp_path):
-    from optimum_qnn.manifest import read_manifest
-    from optimum_qnn.modeling import verify_files
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.artifacts.variants import verify_files
 
     out = tmp_path / "out"
     shutil.copytree(demo_kv_export, out)
@@ -93,10 +93,10 @@ def test_killed_exports_leave_earlier_variants_intact_and_rerun_succeeds(demo_mo
 REWRITE = r"""
 import sys
 from pathlib import Path
-from optimum_qnn.artifacts import VariantWriter
+from optimum_qnn.artifacts.writer import VariantWriter
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-from optimum_qnn.lowering import LoweredProgram
-from optimum_qnn.manifest import read_manifest
+from optimum_qnn.exporter.lowering import LoweredProgram
+from optimum_qnn.artifacts.manifest import read_manifest
 from optimum_qnn.models.gemma4.loading import LoadReport, read_text_config
 
 out, size, source = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
@@ -117,7 +117,7 @@ def stop_and_kill(out: Path, source: Path, point: str) -> None:
     """Run REWRITE until it stops itself at ``point``, then SIGKILL it there."""
     import os
 
-    from optimum_qnn.artifacts import STOP_AT_ENV
+    from optimum_qnn.artifacts.writer import STOP_AT_ENV
 
     env = {**child_env(), STOP_AT_ENV: point}
     for key in ("QNN_SDK_ROOT", "OPTIMUM_QNN_CACHE"):  # the writer records the SDK build id
@@ -137,9 +137,9 @@ def stop_and_kill(out: Path, source: Path, point: str) -> None:
 
 
 def test_kill_inside_the_write_and_swap_window(demo_model_dir, demo_kv_export, tmp_path):
-    from optimum_qnn.artifacts import check_output_folder, read_index
-    from optimum_qnn.manifest import read_manifest
-    from optimum_qnn.modeling import verify_files
+    from optimum_qnn.artifacts.writer import check_output_folder, read_index
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.artifacts.variants import verify_files
 
     variant = "qnn/sm8650/fp16-ctx64-kv"
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""optimum_qnn.runner.KVSession: the inputs it hands to each method call, against their definitions.
+"""optimum_qnn.session.KVSession: the inputs it hands to each method call, against their definitions.
 
 The methods here record their inputs and return outputs of the contract's shapes whose K/V slices encode the
 position of each token, so the cache contents can be checked slot by slot.
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, AttentionKind, LayerSpec, RunnerContract
 from optimum_qnn.ops.mask import attention_mask
-from optimum_qnn.runner import KVSession
+from optimum_qnn.session import KVSession
 
 CONTEXT, AR, WINDOW = 24, 4, 5
 

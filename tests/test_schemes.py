@@ -44,10 +44,10 @@ def reference(demo_model_dir):
 def test_scheme_accuracy_on_the_emulator(scheme, demo_model_dir, reference, tmp_path, qnn_sdk):
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    from optimum_qnn.calibration import CalibrationSource
+    from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.export import export
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     calib = tmp_path / "calib.txt"
     calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
@@ -59,8 +59,8 @@ def test_scheme_accuracy_on_the_emulator(scheme, demo_model_dir, reference, tmp_
     model = QNNModelForCausalLM.from_pretrained(tmp_path / "out")
     ids, ref = reference
     for method in ("prefill_forward", "kv_forward"):
-        model._session.reset()
-        got = model._session.feed_method(method, ids)
+        model.backend.session.reset()
+        got = model.backend.session.feed_method(method, ids)
         sqnr = 10 * torch.log10(ref.pow(2).mean() / (got - ref).pow(2).mean()).item()
         top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"{scheme} {method}: SQNR {sqnr:.1f} dB, top-1 {top1:.3f}")

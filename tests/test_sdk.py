@@ -338,38 +338,6 @@ def test_registry_libraries_set_up(qnn_sdk):
     assert str(qnn_sdk.lib_dir) in os.environ["LD_LIBRARY_PATH"].split(os.pathsep)
 
 
-def test_cache_links_of_two_environments_are_never_repointed(tmp_path, monkeypatch):
-    """Each package folder gets its own root; a root whose folder was deleted is removed, and re-made when a folder
-    appears at that path again."""
-    from optimum_qnn.sdk.loading import _link_cache_root
-
-    monkeypatch.setenv("OPTIMUM_QNN_CACHE", str(tmp_path / "cache"))
-    old, new = tmp_path / "old_venv", tmp_path / "new_venv"
-    old.mkdir(), new.mkdir()
-    root_old = _link_cache_root(old, cache_name("9.9.9", old))
-    root_new = _link_cache_root(new, cache_name("9.9.9", new))
-    link_old, link_new = (r / "lib" / "x86_64-linux-clang" for r in (root_old, root_new))
-    assert root_old != root_new and root_old.parent == tmp_path / "cache" / "qnn-sdk"
-    assert link_old.resolve() == old and link_new.resolve() == new  # the first one was not re-pointed
-    assert _link_cache_root(old, cache_name("9.9.9", old)) == root_old and link_old.resolve() == old
-    assert [p.name for p in link_old.parent.iterdir()] == ["x86_64-linux-clang"]  # no temporary link left behind
-    # A tampered link (pointing at another live folder) is refused with the fix, not silently re-pointed.
-    link_new.unlink()
-    link_new.symlink_to(old, target_is_directory=True)
-    with pytest.raises(QnnSdkError, match="remove"):
-        _link_cache_root(new, cache_name("9.9.9", new))
-    link_new.unlink()
-    assert _link_cache_root(new, cache_name("9.9.9", new)) == root_new and link_new.resolve() == new
-    # A deleted environment: its root goes when another one is set up; the same path, re-made, gets its link again.
-    old.rmdir()
-    third = tmp_path / "third_venv"
-    third.mkdir()
-    _link_cache_root(third, cache_name("9.9.9", third))
-    assert not root_old.exists() and root_new.exists()
-    old.mkdir()
-    assert _link_cache_root(old, cache_name("9.9.9", old)) == root_old and link_old.resolve() == old
-
-
 def test_cache_link_for_the_aarch64_host_folder(tmp_path, monkeypatch):
     from optimum_qnn.sdk.loading import _link_cache_root
 
@@ -452,7 +420,7 @@ def test_model_compiled_with_a_newer_qairt_is_refused_before_loading(qnn_sdk, tm
 
     from executorch.runtime import Runtime
 
-    from optimum_qnn.modeling import _load_program
+    from optimum_qnn.program import load_program
 
     def load_attempted():
         raise AssertionError("the program was loaded despite its newer QAIRT")
@@ -462,11 +430,11 @@ def test_model_compiled_with_a_newer_qairt_is_refused_before_loading(qnn_sdk, tm
     pte.write_bytes(b"\0" * 4 + b"ET12" + b"eh00" + b"\0" * 28)  # a header that passes check_pte_structure
     newer = f"v2.{int(qnn_sdk.build_id.split('.')[1]) + 1}.0.270101000000"
     manifest = SimpleNamespace(
-        contract=SimpleNamespace(weight_sharing=False), versions=SimpleNamespace(qairt_build_id=newer)
+        contract=SimpleNamespace(weight_sharing=False, shards=1), versions=SimpleNamespace(qairt_build_id=newer)
     )
     expected = f"compiled with QAIRT .* \\({newer}\\) but the QNN runtime here .*{qnn_sdk.build_id}"
     with pytest.raises(QnnSdkError, match=expected):
-        _load_program(pte, manifest)
+        load_program(pte, _facts(manifest))
 
 
 # --- fresh processes --------------------------------------------------------------------------------------------
@@ -508,3 +476,11 @@ def test_inherited_root_of_registry_libraries_keeps_its_label(run_python, qnn_sd
     result = run_python("-c", _PRINT_SDK, env={"QNN_SDK_ROOT": str(qnn_sdk.root)})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["source"] == qnn_sdk.source
+
+
+def _facts(manifest):
+    """The loading facts of a manifest stand-in that has only a contract and versions."""
+    from optimum_qnn.program import ProgramFacts
+
+    return ProgramFacts("0" * 64, ("kv_forward",), manifest.contract.weight_sharing, manifest.contract.shards,
+                        manifest.versions.qairt_build_id)

@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from optimum_qnn.sdk import QnnSdkError
 from optimum_qnn.sdk.finding import cache_name, find_package_dir
 from tests.conftest import REPO_ROOT, child_env
 
@@ -107,3 +110,35 @@ def test_a_removed_environment_s_link_is_replaced(tmp_path):
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-2000:]
     assert json.loads(out.splitlines()[-1])["after"] == str(gone)
+
+
+def test_cache_links_of_two_environments_are_never_repointed(tmp_path, monkeypatch):
+    """Each package folder gets its own root; a root whose folder was deleted is removed, and re-made when a folder
+    appears at that path again."""
+    from optimum_qnn.sdk.loading import _link_cache_root
+
+    monkeypatch.setenv("OPTIMUM_QNN_CACHE", str(tmp_path / "cache"))
+    old, new = tmp_path / "old_venv", tmp_path / "new_venv"
+    old.mkdir(), new.mkdir()
+    root_old = _link_cache_root(old, cache_name("9.9.9", old))
+    root_new = _link_cache_root(new, cache_name("9.9.9", new))
+    link_old, link_new = (r / "lib" / "x86_64-linux-clang" for r in (root_old, root_new))
+    assert root_old != root_new and root_old.parent == tmp_path / "cache" / "qnn-sdk"
+    assert link_old.resolve() == old and link_new.resolve() == new  # the first one was not re-pointed
+    assert _link_cache_root(old, cache_name("9.9.9", old)) == root_old and link_old.resolve() == old
+    assert [p.name for p in link_old.parent.iterdir()] == ["x86_64-linux-clang"]  # no temporary link left behind
+    # A tampered link (pointing at another live folder) is refused with the fix, not silently re-pointed.
+    link_new.unlink()
+    link_new.symlink_to(old, target_is_directory=True)
+    with pytest.raises(QnnSdkError, match="remove"):
+        _link_cache_root(new, cache_name("9.9.9", new))
+    link_new.unlink()
+    assert _link_cache_root(new, cache_name("9.9.9", new)) == root_new and link_new.resolve() == new
+    # A deleted environment: its root goes when another one is set up; the same path, re-made, gets its link again.
+    old.rmdir()
+    third = tmp_path / "third_venv"
+    third.mkdir()
+    _link_cache_root(third, cache_name("9.9.9", third))
+    assert not root_old.exists() and root_new.exists()
+    old.mkdir()
+    assert _link_cache_root(old, cache_name("9.9.9", old)) == root_old and link_old.resolve() == old

@@ -1,4 +1,4 @@
-"""optimum_qnn.weights: a quantized export keeps the checkpoint's bf16 matrices (no fp32 copy of the decoder) and
+"""optimum_qnn.quantization.weights: a quantized export keeps the checkpoint's bf16 matrices (no fp32 copy of the decoder) and
 gets the same quantized program as from fp32 weights of the same values; table pages are handed back."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-from optimum_qnn.weights import UpcastLinear, release_pages, upcast_in_graph
+from optimum_qnn.quantization.weights import UpcastLinear, release_pages, upcast_in_graph
 from tests.gemma4_tiny import tiny_config, tiny_model
 
 
@@ -56,7 +56,8 @@ def test_quantizing_a_mapped_weight_hands_its_pages_back_and_never_reads_them_ag
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from optimum_qnn.quantization import convert, copy_observer_state, make_quantizer, prepare
+    from optimum_qnn.quantization.pt2e import convert, make_quantizer, prepare
+    from optimum_qnn.quantization.shared import copy_observer_state
 
     save_file({"w": torch.randn(1024, 4096).to(torch.bfloat16)}, str(tmp_path / "w.safetensors"))  # 8 MiB
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
@@ -119,8 +120,8 @@ def test_bf16_checkpoint_exports_the_program_of_its_fp32_values(bf16_and_fp32_ch
     Measured logits SQNR between the two: 50.8 dB with asymmetric 4-bit tables, 49.9 dB with the symmetric ones
     (the default since), the same effect on other embedding values; equal tokens in both.
     """
-    from optimum_qnn.export import export
-    from optimum_qnn.modeling import QNNModelForCausalLM
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     config = ExportConfig(
         socs=(Soc.SM8650,), quant=QuantScheme.parse("16a8w"), mode=ExportMode.KV, shapes=ShapeConfig(32, 1),
@@ -132,7 +133,7 @@ def test_bf16_checkpoint_exports_the_program_of_its_fp32_values(bf16_and_fp32_ch
         export(bf16_and_fp32_checkpoints / stored, tmp_path / stored, config)
         model = QNNModelForCausalLM.from_pretrained(tmp_path / stored, soc="SM8650")
         tokens[stored] = model.generate(ids, max_new_tokens=12).tolist()
-        session = model._session
+        session = model.backend.session
         session.reset()
         logits[stored] = session.feed(ids[0]).clone()
     noise = (logits["bf16"] - logits["fp32"]).pow(2).mean()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimum_qnn.evaluation import sqnr_db
-from optimum_qnn.modeling import QNNModelForCausalLM
+from optimum_qnn.exporter.evaluation import sqnr_db
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 from optimum_qnn.models.gemma4.modeling import StaticCausalLM
 from tests.conftest import WINDOW7, WINDOW7_CTX
 from tests.stock_runner import StockRunnerHost
@@ -31,7 +31,7 @@ def test_stock_runner_masks_apply_the_window_to_past_columns_only(window7_export
     """What the rewrite reproduces from the C++ runner: in a call of 8 over a window of 7, row 7 still sees its
     chunk's first token, while a past slot 7 positions back is closed."""
     model = QNNModelForCausalLM.from_pretrained(window7_export("fp16", 8))
-    host = StockRunnerHost(model._program.program, model._program.methods)
+    host = StockRunnerHost(model.backend.program.program, model.backend.program.methods)
     assert host.window == WINDOW7 and host.ar_lens["prefill_forward"] == 8
     pos, neg = host._values()
     first = host._init_mask(8, 0, WINDOW7)
@@ -61,11 +61,11 @@ def test_runner_masks_give_the_host_tokens(window7_export, quant, ar_len):
     assert model.manifest.contract.sliding_window == WINDOW7
     logits_spec = model.contract.methods[0].outputs[0]
     for n, prompt in PROMPTS.items():
-        host = StockRunnerHost(model._program.program, model._program.methods)
+        host = StockRunnerHost(model.backend.program.program, model.backend.program.methods)
         new, runner_logits = host.generate(prompt, max_new_tokens=12)
         ours = model.generate(torch.tensor(prompt), max_new_tokens=12, eos_token_id=[])[0, len(prompt):].tolist()
-        model._session.reset()
-        our_logits = model._session.feed(torch.tensor(prompt))[-1]
+        model.backend.session.reset()
+        our_logits = model.backend.session.feed(torch.tensor(prompt))[-1]
         if logits_spec.quantized:
             runner_logits = logits_spec.dequantize(runner_logits)
         sqnr = sqnr_db(runner_logits.float(), our_logits)

@@ -9,7 +9,7 @@ from torch import nn
 
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
 from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions
-from optimum_qnn.runner import KVSession
+from optimum_qnn.session import KVSession
 from optimum_qnn.swap import SWAPS, SwapError, SwapReport, apply_swaps
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The artifact folder: writer, manifest, variant selection and verification, the Hub, inspection."""

@@ -1,0 +1,424 @@
+"""The Hugging Face Hub side: resolving source models, and publishing / fetching exported artifacts.
+
+Only `huggingface_hub` is used (no torch import), so the runtime can fetch an artifact cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from optimum_qnn.errors import OptimumQnnError
+
+logger = logging.getLogger(__name__)
+
+# What the exporter needs of a source checkpoint: config, text weights (safetensors), tokenizer.
+SOURCE_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+
+
+class HubError(OptimumQnnError):
+    """A repository, revision or file that cannot be had from the Hub (or its local cache)."""
+
+
+def resolve_model_folder(model: str, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
+    """A local folder for ``model``: the folder itself, or a snapshot of the Hub repo (only the files the exporter
+    reads: never the vision/audio-only extras, never pickle weights unless ``allow_pickle``)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    check_folder_or_repo_id(model, "model")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = SOURCE_PATTERNS + (["*.bin"] if allow_pickle else [])
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    except RepositoryNotFoundError:
+        raise HubError(f"Model {model!r} was not found on the Hub (or is private: log in with `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise HubError(f"Revision {revision!r} of {model!r} was not found on the Hub") from None
+    except LocalEntryNotFoundError:
+        raise HubError(
+            f"{model!r} is not in the local Hugging Face cache and the Hub cannot be reached (offline?). "
+            "Pass a local folder, or download it first when online."
+        ) from None
+    except HfHubHTTPError as e:
+        raise HubError(f"The Hub refused {model!r}: {e}") from None
+
+
+# A Hub repo id: "name" or "owner/name" of letters, digits, '-', '_', '.' (huggingface_hub's own rule, which it
+# reports as a syntax error rather than "no such folder").
+_HUB_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")
+
+
+def check_folder_or_repo_id(name: str, what: str) -> None:
+    """Refuse, with what to do, a ``name`` that is neither an existing folder nor a possible Hub repo id (a
+    mistyped path, a file)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise HubError(f"{name} is a file; pass the {what} folder that holds it (or a Hub repo id)")
+    if name.startswith((".", "/", "~")) or "\\" in name or not _HUB_ID.match(name):
+        raise HubError(
+            f"No such folder: {name}. It is not a Hub repo id either ('owner/name'); check the path of the {what}"
+        )
+
+
+def download_variant(
+    repo_id: str, *, soc: str | None, quant: str | None, context_len: int | None, revision: str | None
+) -> tuple[Path, dict]:
+    """Download the variant index of ``repo_id``, pick one variant, and fetch only its files plus the shared root
+    files (config, tokenizer). Works offline from the Hugging Face cache (``HF_HUB_OFFLINE=1``).
+
+    Returns:
+        The local snapshot folder and the chosen index entry.
+    """
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    from optimum_qnn.artifacts.writer import INDEX_NAME, ROOT_FILES
+    from optimum_qnn.artifacts.manifest import MANIFEST_NAME
+    from optimum_qnn.artifacts.variants import select_variant
+
+    check_folder_or_repo_id(repo_id, "artifact")
+    what = f"{repo_id!r}"
+    try:
+        index_path = hf_hub_download(repo_id, INDEX_NAME, revision=revision)
+        entry = select_variant(json.loads(Path(index_path).read_text()), soc, quant, context_len)
+        what = f"Variant {entry['path']} of {repo_id!r}"
+        folder = Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=[f"{entry['path']}/*", INDEX_NAME, *ROOT_FILES])
+        )
+    except RevisionNotFoundError:
+        raise HubError(f"Revision {revision!r} of {repo_id!r} was not found") from None
+    except RepositoryNotFoundError:
+        # Some servers answer an unknown revision of a visible repo like an unknown repo: name both.
+        raise HubError(
+            f"Repository {repo_id!r} at revision {revision or 'main'!r} was not found on the Hub "
+            "(a wrong repo id or revision, or a private repo: log in with `hf auth login`)"
+        ) from None
+    except LocalEntryNotFoundError:  # before EntryNotFoundError, its base class
+        raise HubError(
+            f"{what} is not in the local Hugging Face cache and the Hub cannot be reached (offline?); "
+            "download it once while online"
+        ) from None
+    except EntryNotFoundError:
+        raise HubError(f"{repo_id!r} has no {INDEX_NAME}: it is not an optimum-qnn export") from None
+    except HfHubHTTPError as e:
+        raise HubError(f"The Hub refused {repo_id!r}: {e}") from None
+    if not (folder / entry["path"] / MANIFEST_NAME).is_file():
+        # Offline, a snapshot holding other variants is returned as it is.
+        raise HubError(
+            f"{what} is not in the local Hugging Face cache (only other variants are) and the Hub cannot be "
+            "reached (offline?); download it once while online"
+        )
+    return folder, entry
+
+
+# --- Publishing ------------------------------------------------------------------------------------------------
+
+CARD_NAME = "README.md"
+CARD_MARKER = "<!-- generated by optimum-qnn: edits are kept only if you remove this line -->"
+DEFAULT_LICENSE = "gemma"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class PlannedCommit:
+    """One commit of a push: its message and the repository paths it adds (sorted)."""
+
+    message: str
+    files: tuple[str, ...]
+    variant: str | None = None  # the variant folder this commit uploads; None for the root commit
+
+
+@dataclass
+class PushPlan:
+    """What `push_to_hub` uploads (``dry_run=True``) or uploaded: one root commit, then one commit per variant.
+
+    ``commit_urls`` is filled in after a real push, one URL per commit of ``commits``.
+    """
+
+    repo_id: str
+    revision: str | None
+    private: bool
+    output_dir: Path
+    commits: list[PlannedCommit]
+    commit_urls: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[str]:
+        """Every repository path the push writes, once each, sorted."""
+        return sorted({f for c in self.commits for f in c.files})
+
+
+def _variant_files(output_dir: Path, entry: dict[str, Any]) -> list[str]:
+    """The repository paths of one variant (manifest + every file it lists), each checked against its sha256."""
+    from optimum_qnn.artifacts.manifest import MANIFEST_NAME, read_manifest, resolve_inside
+    from optimum_qnn.artifacts.variants import verify_files
+
+    folder = resolve_inside(output_dir, entry["path"])
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest)  # the same size and sha256 check as loading does
+    names = [MANIFEST_NAME, *(f.path for f in manifest.files)]
+    return [f"{entry['path']}/{name}" for name in sorted(set(names))]
+
+
+def _read_index_for_push(output_dir: Path) -> dict[str, Any]:
+    from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
+
+    if not (output_dir / INDEX_NAME).is_file():
+        raise HubError(f"{output_dir} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
+    index = read_index(output_dir)
+    if not index["variants"]:
+        raise HubError(f"{output_dir / INDEX_NAME} lists no variants: nothing to push")
+    return index
+
+
+def _evaluation_cell(evaluation) -> str:
+    """What ``--evaluate`` measured, e.g. ``12.41 → 12.58 (44.5 dB) on 2047 tokens of wiki.txt``; "not measured"."""
+    if evaluation is None:
+        return "not measured"
+    return (
+        f"{evaluation.perplexity_reference:.2f} → {evaluation.perplexity_exported:.2f} ({evaluation.sqnr_db:.1f} dB) "
+        f"on {evaluation.tokens} tokens of `{evaluation.text_file}`"
+    )
+
+
+def model_card(output_dir: str | Path) -> str:
+    """The model card (``README.md``) of an artifact folder: YAML metadata plus a table of its variants.
+
+    ``base_model`` is the source model of the first variant when it is a Hub id (a local source folder is left
+    out); ``license`` is the ``license`` of the root ``config.json`` if it has one, else ``gemma``.
+    """
+    import yaml
+
+    from optimum_qnn.artifacts.manifest import read_manifest, resolve_inside
+
+    output_dir = Path(output_dir)
+    index = _read_index_for_push(output_dir)
+    rows, socs, quants, base_models, plans = [], [], [], [], []
+    for entry in index["variants"]:
+        manifest = read_manifest(resolve_inside(output_dir, entry["path"]))
+        if manifest.quantization.mixed_precision is not None:
+            plans.append(_plan_section(entry["path"], manifest.quantization))
+        socs.append(manifest.target.soc.lower())
+        quants.append(entry["quant"])
+        model_id = manifest.source.model_id
+        if _REPO_ID.match(model_id) and not Path(model_id).exists():
+            base_models.append(model_id)
+        size_mb = sum(f.size for f in manifest.files) / 2**20
+        rows.append(
+            f"| `{entry['path']}` | {manifest.target.soc} | v{manifest.target.htp_arch} | {entry['quant']} "
+            f"| {entry['context_len']} | {entry['mode']} | {size_mb:.1f} | {_evaluation_cell(manifest.evaluation)} "
+            f"| {manifest.versions.qairt_build_id} |"
+        )
+    license_ = DEFAULT_LICENSE
+    config_path = output_dir / "config.json"
+    if config_path.is_file():
+        try:
+            license_ = str(json.loads(config_path.read_text(encoding="utf-8")).get("license") or DEFAULT_LICENSE)
+        except (OSError, json.JSONDecodeError):
+            pass
+    metadata: dict[str, Any] = {"library_name": "executorch"}
+    if base_models:
+        metadata["base_model"] = base_models[0]
+    metadata.update(
+        pipeline_tag="text-generation",
+        license=license_,
+        tags=list(dict.fromkeys(["executorch", "qnn", "qualcomm", "gemma4", *socs, *quants])),
+    )
+    first = index["variants"][0]
+    title = base_models[0].split("/")[-1] if base_models else "Gemma4"
+    return "\n".join(
+        [
+            "---",
+            yaml.safe_dump(metadata, sort_keys=False).rstrip(),
+            "---",
+            CARD_MARKER,
+            "",
+            f"# {title} for Qualcomm HTP (ExecuTorch + QNN)",
+            "",
+            (
+                "Gemma4 exported with [optimum-qnn](https://github.com/huggingface/optimum-qnn) to ExecuTorch `.pte`"
+                " programs delegated to the Qualcomm QNN HTP backend. Each variant folder holds `model.pte` and a"
+                " `manifest.json` (runner contract, quantization, sha256 of every file); `qnn_index.json` lists them."
+            ),
+            "",
+            "| folder | SoC | HTP arch | quant | context | mode | size (MB) | perplexity fp32 → exported (logits SQNR) "
+            "| QAIRT build |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "## Usage",
+            "",
+            "```python",
+            "from optimum_qnn import QNNModelForCausalLM",
+            "",
+            (
+                f'model = QNNModelForCausalLM.from_pretrained("<repo_id>", soc="{first["soc"]}", '
+                f'quant="{first["quant"]}", revision="main")'
+            ),
+            "```",
+            "",
+            "Only the chosen variant's folder and the shared root files are downloaded.",
+            "",
+            *plans,
+        ]
+    )
+
+
+def _plan_section(path: str, quantization) -> str:
+    """A variant's mixed-precision plan: the linears kept at 8 bits and why (their measured sensitivity)."""
+    plan = quantization.mixed_precision
+    kept = [r for r in plan.linears if r.kept]
+    lines = [
+        f"## Mixed precision of `{path}`",
+        "",
+        f"Recipe `{quantization.named_recipe or quantization.scheme}`, weight ranges `{quantization.weight_ranges}`, "
+        f"rounding `{quantization.weight_rounding}`. "
+        f"Within the size budget {plan.size_budget}, {len(kept)} of {len(plan.linears)} linears "
+        f"({plan.kept_share:.1%} of their weights) stay at {plan.kept_scheme}: those whose 4-bit rounding alone cost "
+        "the logits most per parameter on the calibration text.",
+        "",
+        "| linear | parameters | logits SQNR with only it at 4 bits (dB, estimated from 8 random probes) | kept at |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{r.module}` | {r.params} | {r.sqnr_db:.1f} | {plan.kept_scheme if r.kept else '4-bit'} |" for r in plan.linears]
+    return "\n".join(lines + [""])
+
+
+def write_model_card(output_dir: str | Path) -> Path:
+    """Write `model_card` as ``README.md`` into the artifact folder; a README.md without the optimum-qnn marker
+    (written or edited by hand) is kept as it is."""
+    from optimum_qnn.artifacts.writer import atomic_write_text
+
+    path = Path(output_dir) / CARD_NAME
+    if path.is_file() and CARD_MARKER not in path.read_text(encoding="utf-8", errors="replace"):
+        logger.info("Keeping the hand-written %s", path)
+        return path
+    atomic_write_text(path, model_card(output_dir))
+    return path
+
+
+def plan_push(output_dir: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None) -> PushPlan:
+    """The commits `push_to_hub` makes, without writing or uploading anything.
+
+    The root commit adds the shared root files and ``README.md``. Commit *k* then adds variant *k* and a
+    ``qnn_index.json`` listing variants 1..k, so the remote index only ever lists variants that are complete
+    (an interrupted push leaves a consistent repo); the last commit uploads the local index as it is.
+    """
+    from optimum_qnn.artifacts.writer import INDEX_NAME, ROOT_FILES
+
+    output_dir = Path(output_dir)
+    index = _read_index_for_push(output_dir)
+    root = sorted([name for name in ROOT_FILES if (output_dir / name).is_file()] + [CARD_NAME])
+    commits = [PlannedCommit(f"Add shared files and model card ({len(root)} files)", tuple(root))]
+    for entry in index["variants"]:
+        files = sorted([*_variant_files(output_dir, entry), INDEX_NAME])
+        commits.append(PlannedCommit(f"Add variant {entry['path']}", tuple(files), variant=entry["path"]))
+    return PushPlan(repo_id, revision, private, output_dir, commits)
+
+
+def _index_bytes(index: dict[str, Any], pushed: list[str]) -> bytes:
+    partial = dict(index, variants=[v for v in index["variants"] if v["path"] in pushed])
+    return (json.dumps(partial, indent=2) + "\n").encode("utf-8")
+
+
+def push_to_hub(
+    output_dir: str | Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+) -> PushPlan:
+    """Publish an artifact folder to a Hub model repo, one commit per variant (see `plan_push`).
+
+    The repo (and the ``revision`` branch, if given) is created when missing. ``README.md`` is (re)generated
+    into ``output_dir`` first unless it was written by hand. Every variant file is checked against its
+    manifest sha256 before anything is sent.
+
+    Args:
+        output_dir: the artifact folder written by `optimum_qnn.exporter.pipeline.export`.
+        repo_id: ``"org/name"`` of the model repo.
+        token: a Hub token (default: the logged-in one).
+        private: create the repo private (an existing repo keeps its visibility).
+        revision: the branch to commit to (default: ``main``).
+        commit_message: a prefix for every commit message.
+        dry_run: only return the plan: no card written, no network.
+
+    Returns:
+        The plan; after a real push, ``commit_urls`` holds the URL of each commit.
+    """
+    output_dir = Path(output_dir)
+    if not dry_run:
+        write_model_card(output_dir)
+    plan = plan_push(output_dir, repo_id, private=private, revision=revision)
+    if commit_message:
+        plan.commits = [replace(c, message=f"{commit_message}: {c.message}") for c in plan.commits]
+    if dry_run:
+        return plan
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
+
+    api = HfApi(token=token)
+    index = read_index(output_dir)
+    last = plan.commits[-1].variant
+    pushed: list[str] = []  # variants whose commit is being or has been made
+    completed: list[str] = []
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        for commit in plan.commits:
+            if commit.variant is not None:
+                pushed.append(commit.variant)
+            operations = []
+            for name in commit.files:
+                if name == INDEX_NAME and commit.variant != last:
+                    source: str | bytes = _index_bytes(index, pushed)
+                else:
+                    source = str(output_dir / name)
+                operations.append(CommitOperationAdd(path_in_repo=name, path_or_fileobj=source))
+            info = api.create_commit(repo_id, operations, commit_message=commit.message, revision=revision)
+            plan.commit_urls.append(str(info.commit_url))
+            if commit.variant is not None:
+                completed.append(commit.variant)
+            logger.info("Pushed %s (%d files): %s", commit.variant or "root files", len(operations), info.commit_url)
+    except HfHubHTTPError as e:
+        done = ", ".join(completed) or "none"
+        raise HubError(f"Pushing to {repo_id!r} failed ({e}); variants already pushed: {done}") from None
+    return plan

@@ -1,0 +1,1 @@
+"""The export pipeline: a Hugging Face checkpoint in, lowered QNN programs handed to the artifact writer."""

@@ -1,0 +1,404 @@
+"""The memory an export will need, estimated from the model's config alone, before any weight is read.
+
+An export that does not fit is killed by the kernel, at Gemma-4-E2B's size after about 25 minutes. The estimate lets
+the exporter choose the fewest lowering shards that fit the memory it has (`choose_memory_plan`), and refuse in a
+second, with the figure and the fix, when nothing fits.
+
+How it is computed: the parameters of each part of the model (token table, per-layer embedding table, decoder
+layers) are counted on a meta-device model built from the config (no weights), and each stage's peak RSS is a
+linear function of their stored bytes, fitted to the exports measured on this project's 2-core, 24 GB machine with
+the current pipeline (bf16 weights kept in the checkpoint's pages and handed back as each is quantized,
+`optimum_qnn.quantization.weights`; block weights quantized in row chunks, once for both graphs; shard compiles in worker
+processes, whose private memory the lowering's figure includes; the program streamed to a file, and inspected
+through a mapping):
+
+- demo Gemma4 (examples/tiny_gemma4.py, 16a8w, hybrid, context 128; benchmarks/rows.json, "schemes"): the load
+  stage, 0.46 GB, is the process with torch, transformers and ExecuTorch imported (`_BASE`); the lowering stage,
+  0.98 GB, is that plus the QNN libraries and compiler on a graph of negligible size (`_LOWER_BASE`);
+- benchmarks/memory_rows.json: Gemma-4-E2B widths at 2 and 7 layers in one shard per layer (benchmarks/e2b_width.py)
+  and the full-size Gemma-4-E2B in 4, 6, 7 and 35 shards (benchmarks/e2b_full.py, the published multimodal checkpoint), all
+  16a4w_block, hybrid, context 1024, prefill 128, 4-bit symmetric tables, measured on 2026-12-01 (full size: load 0.40,
+  swap 2.30, export 2.05, calibrate 9.18, quantize 9.22, lower 13.10, inspect 10.08, write 8.42 GB in 13.7 min), and
+  the same with no export flags in a 16 GB memory cgroup (6 shards chosen; lower 14.07 GB, 13.7 min).
+
+Per stage, peak = `_BASE` + a x (token table GB at the stored dtype) + b x (everything else, GB stored), least
+squares through the E2B rows (benchmarks/memory_fit.py; the token table is the same in all of them, its coefficient
+carries the fixed costs of a 262144-word vocabulary: the lm_head's fp32 cast and its quantization, vocabulary-wide
+logits). The lowering stage is `_LOWER_BASE` + a resident term + what the QNN compilers hold for the shards they
+compile, `_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head); the
+full-size rows, 1 to 9 layers a shard, are what separates the two. The fit reproduces every one of these figures
+within 0.35 GB, and underestimates none by more than 0.27 GB (tests/test_memory.py checks 0.6 GB); the shard count
+is chosen with `FIT_ERROR_GB` to spare. A single shard compiles in the exporter's own process, and the stages
+after it keep what the compiler took (measured on an earlier pipeline).
+
+What the rows did not vary is computed, not measured: weights wider than 4 bits add their extra bytes per HTP
+parameter, float or 8-bit embedding tables theirs, and `--evaluate` keeps the float32 Hugging Face model resident.
+Context length and prefill length are taken as measured (1024 and 128). Every figure this module returns is an
+estimate; every message that shows one says so. GB here is 2**30 bytes, as in the exporter's stage table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, WeightRanges, WeightRounding, shard_starts
+from optimum_qnn.errors import InvalidInputError
+
+GB_BYTES = 2**30
+
+# The fit described in the module docstring (GB; coefficients in GB per GB of stored weights).
+_BASE = 0.46  # demo Gemma4, load stage: 473 MiB
+_LOWER_BASE = 0.98  # demo Gemma4 16a8w, lower stage: 1001 MiB
+# stage: (per GB of token table, per GB of the rest), both at the stored dtype; least squares over the E2B rows of
+# benchmarks/memory_rows.json (benchmarks/memory_fit.py)
+_STAGE_FIT = {
+    "load": (0.0, 0.0),  # the checkpoint is mapped, not read: the base process
+    "swap": (0.684, 0.169),
+    "export": (0.400, 0.167),
+    "calibrate": (3.833, 0.742),
+    "quantize": (5.392, 0.590),
+    "lower": (0.0, 0.0),  # computed below from `_LOWER_RESIDENT` and `_SHARD_BYTES_PER_PARAM`
+    "inspect": (2.379, 0.997),
+    "write": (1.988, 0.850),
+}
+# The lowering: resident state (quantized weights, CPU tables, the context binaries compiled so far) per GB of stored
+# weights, plus the compilers' working set per parameter of the largest shard; fitted the same way above
+# `_LOWER_BASE`.
+_LOWER_RESIDENT = 0.615
+_SHARD_BYTES_PER_PARAM = 10.561
+# The measured rows quantized HTP weights to 4 bits and the embedding tables to 4 bits, symmetric, groups of 32.
+_MEASURED_WEIGHT_BITS = 4
+_MEASURED_TABLE_BYTES = 4 / 8 + 2 / 32  # 4-bit symmetric in groups of 32, an fp16 scale per group
+# Held back from MemAvailable when the user gives no --max-memory: other processes grow, and the estimate is a fit.
+MARGIN_FRACTION, MIN_MARGIN_GB = 0.10, 1.0
+# The shard count is chosen with this much room under the budget: the fit's largest underestimate of a measured stage
+# (benchmarks/memory_fit.py: 0.27 GB).
+FIT_ERROR_GB = 0.3
+
+_STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters per part of a Gemma4 text model, counted from its config on the meta device (no weights)."""
+
+    token_table: int
+    per_layer_table: int
+    layers: tuple[int, ...]  # per decoder layer
+    other: int  # norms, the per-layer input projection, an untied lm_head
+    stored_bytes: int  # bytes per parameter in the checkpoint (bf16: 2)
+    # Sum over the HTP linears of in_features squared: the elements of their input Hessians (`X^T X`), which GPTQ
+    # rounding gathers for every 4-bit linear at once (float64).
+    hessian_elements: int = 0
+    linears: int = 0  # HTP linears
+    linear_inputs: int = 0  # sum of their in_features: the plan's input rows for output-MSE ranges hold these
+    linear_outputs: int = 0  # sum of their out_features: the sensitivity probes hold outputs of these widths
+
+    @classmethod
+    def from_config(cls, text_config) -> "ParameterCounts":
+        import torch
+        from transformers import Gemma4ForCausalLM
+
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(text_config)
+        token = per_layer = other = 0
+        linears = [mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
+        in_features = [mod.in_features for mod in linears]
+        layers = [0] * text_config.num_hidden_layers
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue  # a tied lm_head is the token table
+            seen.add(id(p))
+            if "embed_tokens_per_layer" in name:
+                per_layer += p.numel()
+            elif "embed_tokens" in name:
+                token += p.numel()
+            elif ".layers." in name:
+                layers[int(name.split(".layers.")[1].split(".")[0])] += p.numel()
+            else:
+                other += p.numel()
+        dtype = str(getattr(text_config, "dtype", None) or "bfloat16").removeprefix("torch.")
+        return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2),
+                   sum(n * n for n in in_features), len(in_features), sum(in_features),
+                   sum(mod.out_features for mod in linears))
+
+    def as_dict(self) -> dict[str, int]:
+        return {"token_table": self.token_table, "per_layer_table": self.per_layer_table, "layers": sum(self.layers),
+                "other": self.other}
+
+    @property
+    def total(self) -> int:
+        return self.token_table + self.per_layer_table + sum(self.layers) + self.other
+
+    @property
+    def tables(self) -> int:
+        return self.token_table + self.per_layer_table
+
+    @property
+    def htp(self) -> int:
+        """Parameters compiled into the HTP graph: the decoder layers, the rest, and the lm_head (vocab x hidden)."""
+        return sum(self.layers) + self.other + self.token_table
+
+    def largest_shard(self, shard_starts: tuple[int, ...]) -> int:
+        """Parameters of the largest shard the QNN compiler holds at once: the layers between shard starts, the
+        first with the per-layer input projection, the last with the lm_head."""
+        bounds = (0, *shard_starts, len(self.layers))
+        sizes = [sum(self.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+        sizes[0] += self.other
+        sizes[-1] += self.token_table
+        return max(sizes)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak RSS per stage, in GB, of one export configuration (a fit, not a measurement)."""
+
+    stages: dict[str, float]
+    shards: int
+
+    @property
+    def peak(self) -> float:
+        return max(self.stages.values())
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.stages, key=self.stages.get)
+
+    @property
+    def lowering(self) -> float:
+        return self.stages["lower"]
+
+
+def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, evaluate: bool = False) -> MemoryEstimate:
+    """Estimated per-stage peak RSS (GB) of exporting a model of these parameter counts in ``shards`` shards."""
+    stored = counts.stored_bytes / GB_BYTES
+    table, rest = counts.token_table * stored, (counts.total - counts.token_table) * stored
+    quantized = config.quant.is_quantized
+    # What the rows did not vary, computed from the widths (bytes per parameter beyond the measured 4-bit ones).
+    weight_extra = max(0, config.quant.weight_bits - _MEASURED_WEIGHT_BITS) / 8
+    # Unresolved (None): what `EmbeddingQuant.default_for` picks, 4-bit when quantized, else float; float is stored.
+    tables = config.embedding_quant or (EmbeddingQuant(4, 32) if quantized else EmbeddingQuant(0, 0))
+    table_extra = counts.tables * max(0.0, _table_bytes_per_param(tables) - _MEASURED_TABLE_BYTES) / GB_BYTES
+    float_model = counts.total * 4 / GB_BYTES if evaluate else 0.0  # the float32 Hugging Face model kept for --evaluate
+    starts = shard_starts(len(counts.layers), shards)
+    shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
+    stages = {}
+    for name, (a, b) in _STAGE_FIT.items():
+        if not quantized and name in ("calibrate", "quantize"):
+            continue
+        held = 0.0 if name == "load" else table_extra + float_model  # the load holds the stored tables, as measured
+        if name in ("quantize", "lower", "inspect", "write"):
+            held += counts.htp * weight_extra / GB_BYTES
+        if name == "lower":
+            stages[name] = _LOWER_BASE + _LOWER_RESIDENT * (table + rest) + shard + held
+            continue
+        stages[name] = _BASE + a * table + b * rest + held
+        if shards == 1 and name in ("inspect", "write"):
+            # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
+            # an earlier pipeline: 7 layers in one shard wrote at 6.84 GB, in seven at 5.31).
+            stages[name] += shard
+    if config.has_plan_stage:
+        # Before calibration, on the float module: the calibrate stage's working set is an upper bound of the
+        # forward passes; GPTQ's Hessians are held until the 4-bit weights are rounded.
+        stages = {"plan": stages["calibrate"] + plan_gib(counts, config), **stages}
+        stages["calibrate"] += hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
+    return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
+
+
+def hessian_gib(counts: ParameterCounts) -> float:
+    """GB of the float64 input Hessians that GPTQ rounding holds (every linear's, at most)."""
+    return counts.hessian_elements * 8 / GB_BYTES
+
+
+def plan_gib(counts: ParameterCounts, config: ExportConfig) -> float:
+    """GB the plan holds beyond a forward pass, one step after the other: the sensitivity probes (each linear's
+    4-bit output change and its gradient, float32, plus about as much again for the activations autograd keeps), then
+    the output-MSE search's input rows (float32), then GPTQ's Hessians. At most PLAN_SAMPLES x PLAN_SAMPLE_TOKENS
+    tokens (`ptq`), counted in full."""
+    from optimum_qnn.quantization.ptq import PLAN_SAMPLE_TOKENS, PLAN_SAMPLES
+
+    tokens = PLAN_SAMPLES * PLAN_SAMPLE_TOKENS
+    probes = 3 * tokens * counts.linear_outputs * 4 / GB_BYTES if config.size_budget is not None else 0.0
+    rows = tokens * counts.linear_inputs * 4 / GB_BYTES if config.weight_ranges is WeightRanges.OUTPUT_MSE else 0.0
+    hessians = hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
+    return max(probes, rows, hessians)
+
+
+@dataclass(frozen=True)
+class CgroupFiles:
+    """Where this process's control groups are described (`/proc/self/cgroup`) and mounted."""
+
+    membership: Path = Path("/proc/self/cgroup")
+    root: Path = Path("/sys/fs/cgroup")
+
+
+def _table_bytes_per_param(quant: EmbeddingQuant) -> float:
+    """Bytes per embedding table parameter once quantized: the values, and per group an fp16 scale (symmetric) or
+    float32 scale and zero point; a float table is held in float32 (the lookups' output dtype)."""
+    if not quant.bits:
+        return 4.0
+    group = quant.group_size or 256  # one group per row: at least as wide as the narrowest E2B-like table
+    return quant.bits / 8 + (2 if quant.symmetric else 8) / group
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> tuple[float | None, str]:
+    """The memory this process can still take, in GB, and what limits it: the machine's MemAvailable, or the
+    memory limit of a control group it runs in (a container, a systemd slice, a CI job) when that leaves less.
+    (None, "unknown") where neither is reported."""
+    machine = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                machine = int(line.split()[1]) * 1024 / GB_BYTES
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    group = _cgroup_headroom(cgroups or CgroupFiles())
+    if group is not None and (machine is None or group < machine):
+        return group, f"cgroup memory limit, {group:.1f} GB free"
+    return machine, "unknown" if machine is None else f"MemAvailable {machine:.1f} GB"
+
+
+def _cgroup_headroom(files: CgroupFiles) -> float | None:
+    """The smallest headroom (limit - usage + inactive file cache, which the kernel reclaims before it kills) over
+    the memory cgroups this process belongs to and their ancestors, in GB; None without a limit."""
+    try:
+        membership = files.membership.read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in membership:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2 (unified hierarchy), mounted at the root or under "unified"
+            base = files.root if (files.root / "cgroup.controllers").exists() else files.root / "unified"
+            limit_name, usage_name, inactive_name = "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = files.root / "memory"
+            limit_name, usage_name, inactive_name = "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        folder = base / path.strip().lstrip("/")
+        while True:
+            try:
+                limit = (folder / limit_name).read_text().strip()
+                if limit != "max" and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number
+                    usage = int((folder / usage_name).read_text())
+                    stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+                    headrooms.append((int(limit) - usage + int(stat.get(inactive_name, 0))) / GB_BYTES)
+            except (OSError, ValueError):
+                pass
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return max(0.0, min(headrooms)) if headrooms else None
+
+
+def default_budget_gib(available: float | None) -> float | None:
+    """The budget when the user sets none: what is available, less a margin (10 %, at least 1 GB)."""
+    if available is None:
+        return None
+    return max(0.0, available - max(MIN_MARGIN_GB, MARGIN_FRACTION * available))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The shard count chosen for the lowering and what the export is estimated to need with it."""
+
+    estimate: MemoryEstimate
+    budget_gib: float | None
+    budget_source: str  # "--max-memory", "MemAvailable ... less margin", "cgroup memory limit ... less margin", or "unknown"
+    auto: bool
+
+    def summary(self) -> str:
+        """The one line the exporter prints."""
+        est = self.estimate
+        chosen = "chosen for" if self.auto else "given;"
+        budget = f"budget {self.budget_gib:.1f} GB ({self.budget_source})" if self.budget_gib is not None else "no budget known"
+        return (f"Memory: {est.shards} shard(s) {chosen} {budget}; estimated peak {est.peak:.1f} GB ({est.peak_stage}), "
+                f"lowering {est.lowering:.1f} GB (an estimate fitted to measured exports, not a measurement)")
+
+
+def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluate: bool = False,
+                       meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> MemoryPlan:
+    """The fewest shards whose estimated lowering peak fits the budget (``config.shards`` when the user gave one), or
+    an `InvalidInputError` with the estimate and the fix when the export cannot fit.
+
+    Fewest, because every shard is one more HTP graph call per token on the phone."""
+    if config.max_memory is not None:
+        budget, source = config.max_memory, "--max-memory"
+    else:
+        available, source = available_memory(meminfo, cgroups)
+        budget = default_budget_gib(available)
+        source = f"{source} less margin" if available is not None else source
+    num_layers = len(counts.layers)
+    if config.shards is not None:
+        plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)
+    else:
+        candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(1, num_layers + 1)]
+        fitting = ([c for c in candidates if budget is None or c.lowering + FIT_ERROR_GB <= budget]
+                   or [c for c in candidates if c.lowering <= budget])
+        # Nothing fits: the lowest estimate (the fewest shards among equals), for the refusal to quote.
+        best = fitting[0] if fitting else min(candidates, key=lambda c: (c.lowering, c.shards))
+        plan = MemoryPlan(best, budget, source, auto=True)
+    if budget is not None and plan.estimate.peak > budget:
+        raise InvalidInputError(_refusal(plan, counts, config, evaluate, num_layers))
+    return plan
+
+
+def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, evaluate: bool, num_layers: int) -> str:
+    est = plan.estimate
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in est.stages.items())
+    fixes = [f"run on a machine with more free memory, or raise the budget with --max-memory (at least "
+             f"{math.ceil(est.peak * 10) / 10:.1f} GB, if the machine has it)"]
+    if not plan.auto and estimate(counts, config, num_layers, evaluate=evaluate).peak < est.peak - 0.05:
+        fixes.append("leave --shards out to let the exporter choose, or give more shards (fewer layers per QNN compile)")
+    # The flags that lower the estimate, each with the peak it would leave: at the shard count given, or else at one
+    # shard per layer (the lowest).
+    shards = est.shards if not plan.auto else num_layers
+    alternatives = []
+    if config.quant.weight_bits > 4:
+        alternatives.append(("--quant 16a4w_block", dataclasses.replace(config, quant=QuantScheme.A16W4_BLOCK), evaluate))
+    if config.embedding_quant is None or config.embedding_quant.bits != 4:
+        alternatives.append(("--embedding-quant 4,0 (4-bit tables, one group per row)",
+                             dataclasses.replace(config, embedding_quant=EmbeddingQuant(4, 0)), evaluate))
+    if evaluate:
+        alternatives.append(("dropping --evaluate (it keeps the float32 model resident)", config, False))
+    if config.weight_rounding is WeightRounding.GPTQ:
+        alternatives.append((
+            f"--weight-rounding nearest (GPTQ holds every 4-bit linear's input Hessian, {hessian_gib(counts):.1f} GB "
+            "at this model's widths)",
+            dataclasses.replace(config, weight_rounding=WeightRounding.NEAREST), evaluate))
+    if config.size_budget is not None or config.weight_ranges is WeightRanges.OUTPUT_MSE:
+        plain = dataclasses.replace(config, recipe=None, size_budget=None, weight_ranges=WeightRanges.MINMAX,
+                                    weight_rounding=WeightRounding.NEAREST)
+        alternatives.append((f"--quant {config.quant.value} with no plan (no sensitivity probes, min-max ranges)",
+                             plain, evaluate))
+    for flag, variant, evaluates in alternatives:
+        peak = estimate(counts, variant, shards, evaluate=evaluates).peak
+        if peak < est.peak - 0.05:
+            fixes.append(f"{flag}: estimated peak {peak:.1f} GB")
+    if len(fixes) == 1:
+        fixes.append("no flag of this exporter lowers this estimate")
+    return (f"This export needs an estimated {est.peak:.1f} GB at its peak ({est.peak_stage} stage, {est.shards} "
+            f"shard(s)), more than the budget of {plan.budget_gib:.1f} GB ({plan.budget_source}); it would be killed "
+            f"for memory, so it stops before loading any weight. Estimated per-stage peaks in GB (fitted to measured "
+            f"exports, {_count(counts.total)} parameters): {stages}. To fix: " + "; ".join(fixes))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def parse_max_memory(text: str | float) -> float:
+    """``--max-memory GB``: a positive number of GB."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(text, bool) or not math.isfinite(value) or value <= 0:
+        raise InvalidInputError(f"--max-memory must be a positive number of GB, e.g. 16 or 7.5; got {text!r}")
+    return value

@@ -1,0 +1,476 @@
+"""The export pipeline: load -> swap -> torch.export -> quantize (calibrated) -> lower per SoC -> write.
+
+The model is loaded, swapped, exported and calibrated once; only the lowering runs per SoC.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import re
+import resource
+import shutil
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from optimum_qnn.artifacts.writer import VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
+from optimum_qnn.quantization.calibration import CalibrationSource
+from optimum_qnn.config import ExportConfig, ExportMode
+from optimum_qnn.contract import RunnerContract
+from optimum_qnn.exporter.evaluation import DEFAULT_MAX_TOKENS
+from optimum_qnn.artifacts.hub import resolve_model_folder
+from optimum_qnn.models.gemma4 import StaticCausalLM
+from optimum_qnn.models.gemma4.loading import load_text_model
+from optimum_qnn.exporter.parallel_compile import COMPILED_MESSAGE, PREPARING_MESSAGE, progress_lines_to, workers_private_mb
+from optimum_qnn.exporter.preflight import (
+    check_arguments,
+    check_overrides_match,
+    first_missing,
+    preflight,
+    read_texts,
+    source_model_id,
+)
+
+logger = logging.getLogger(__name__)
+# One line per finished stage (time, memory): the CLI shows this logger without -v.
+stage_logger = logging.getLogger("optimum_qnn.stages")
+
+
+@dataclass
+class StageStats:
+    """Wall time of one stage, and the highest RSS of the process while it ran."""
+
+    name: str
+    seconds: float
+    peak_rss_mb: float
+
+
+@dataclass
+class ExportResult:
+    """What one export wrote, and what it cost."""
+
+    output: Path
+    variants: list[Path] = field(default_factory=list)
+    stages: list[StageStats] = field(default_factory=list)
+    delegation: dict[str, str] = field(default_factory=dict)
+    quant_rows: list = field(default_factory=list)
+    mixed_plan: object = None  # optimum_qnn.quantization.mixed_precision.MixedPlan of a --size-budget export
+    swap_summary: str = ""
+
+    def stage_table(self) -> str:
+        lines = [f"{'stage':<12} {'wall s':>8} {'peak RSS MB':>12}"]
+        lines += [f"{s.name:<12} {s.seconds:>8.1f} {s.peak_rss_mb:>12.0f}" for s in self.stages]
+        return "\n".join(lines)
+
+
+def peak_rss_mb() -> float:
+    """The process's peak RSS so far (it only grows)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_mb() -> float:
+    """This process's RSS plus the private memory of its running QNN compile workers (their pages shared with it
+    are in its RSS already)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20 + workers_private_mb()
+
+
+class _RssSampler(threading.Thread):
+    """The highest RSS seen while a stage runs, sampled every 50 ms (ru_maxrss cannot be reset per stage)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = _rss_mb()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.05):
+            self.peak = max(self.peak, _rss_mb())
+
+    def stop(self) -> float:
+        self._stop_event.set()
+        self.join()
+        return max(self.peak, _rss_mb())
+
+
+@contextmanager
+def _stage(result: ExportResult, name: str) -> Iterator[None]:
+    logger.info("[%s] ...", name)
+    sampler = _RssSampler() if os.path.exists("/proc/self/statm") else None
+    if sampler:
+        sampler.start()
+    high_water = peak_rss_mb()
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - t0
+        peak = sampler.stop() if sampler else peak_rss_mb()  # without /proc: the process's peak so far
+        if peak_rss_mb() > high_water:  # a new process peak was set during this stage (catches spikes < 50 ms)
+            peak = max(peak, peak_rss_mb())
+    result.stages.append(StageStats(name, seconds, peak))
+    stage_logger.info("[%s] done in %.1f s, peak RSS %.0f MB", name, seconds, peak)
+
+
+def export(
+    model: str | Path,
+    output: str | Path,
+    config: ExportConfig,
+    *,
+    revision: str | None = None,
+    calibration: CalibrationSource | None = None,
+    allow_pickle: bool = False,
+    evaluate: Path | None = None,
+    evaluate_tokens: int = DEFAULT_MAX_TOKENS,
+    check_weight_sharing: bool = False,
+) -> ExportResult:
+    """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
+
+    Everything that can be checked without the model (arguments, the checkpoint's config and file headers, the
+    tokenizer, calibration and evaluation text) is checked before it loads. An export that fails leaves the output
+    folder as it found it: a folder it created is removed, staging folders are deleted; variants completed before
+    the failure (of a multi-SoC export) are kept.
+
+    Args:
+        model: a Hugging Face Hub id or a local checkpoint folder.
+        output: the artifact folder (created; existing variants of other SoCs/schemes are kept).
+        config: SoCs, quant scheme, mode and shapes.
+        revision: Hub revision (branch, tag or commit) of ``model``.
+        calibration: calibration text for quantized schemes (default: built-in sentences).
+        allow_pickle: accept a checkpoint that has only pickle weights.
+        evaluate: a text file; each variant is run on it (on this host's HTP, or the x86 emulator) before it is put
+            in place, and perplexity (fp32 vs exported) and logits SQNR go into its manifest.
+        evaluate_tokens: at most this many tokens of ``evaluate`` are scored.
+        check_weight_sharing: for a weight-shared export, also lower the graphs without weight sharing (one more
+            lowering per SoC) and record in the manifest that both builds hold the same graphs, IO and encodings
+            and that the shared one stores its weights once (`inspection.sharing_check`).
+
+    Returns:
+        The variant folders written and per-stage wall time / peak RSS.
+
+    Raises:
+        OptimumQnnError: for every failure a user can cause (`InvalidInputError`, `CheckpointError`, `HubError`...).
+    """
+    check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens)
+    evaluate = None if evaluate is None else Path(evaluate)
+    calibration = calibration or CalibrationSource()
+    texts = read_texts(config, calibration, evaluate)
+    result = ExportResult(Path(output))
+    created = first_missing(result.output)
+    try:
+        check_output_folder(result.output)  # fail in a second, not after calibration and lowering
+        return _export(
+            str(model), result, config, revision, calibration, texts, allow_pickle, evaluate, evaluate_tokens,
+            check_weight_sharing,
+        )
+    except BaseException:
+        if created is not None and not result.variants:
+            shutil.rmtree(created, ignore_errors=True)  # the folders this export made, and nothing that was there
+        elif result.variants:
+            logger.warning("The export failed; the variants written before the failure are kept: %s",
+                           ", ".join(str(v) for v in result.variants))
+        raise
+
+
+def _export(model: str, result: ExportResult, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
+            texts: list[str] | None, allow_pickle: bool, evaluate: Path | None, evaluate_tokens: int,
+            check_weight_sharing: bool) -> ExportResult:
+    output = result.output
+    with _stage(result, "load"):
+        folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
+        tokenizer, config, memory = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate)
+        stage_logger.info("%s", memory.summary())
+        # Without --evaluate the Hugging Face model never runs: its embedding tables stay in their stored dtype
+        # until they are quantized, and the model is released after the swap.
+        # A quantized export also keeps the linear weights as stored (bf16, in the file's pages) and casts them in
+        # its graph (optimum_qnn.quantization.weights): no fp32 copy of the decoder.
+        stored = evaluate is None and config.quant.is_quantized
+        hf_model, load_report = load_text_model(
+            folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None, matrices_in_stored_dtype=stored
+        )
+    shapes = config.shapes
+    hybrid = config.mode is ExportMode.HYBRID
+    with _stage(result, "swap"):
+        static = StaticCausalLM.from_hf(
+            hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
+            quantized=config.quant.is_quantized,
+        )
+        result.swap_summary = static.report.table()
+        check_overrides_match(static.module, config)
+        _swap_embeddings_for_cpu(static, config)
+        if stored:
+            from optimum_qnn.quantization.embedding import QuantizedEmbedding
+            from optimum_qnn.quantization.weights import upcast_in_graph
+
+            upcast_in_graph(static.module, keep=(QuantizedEmbedding,))
+        else:
+            _lm_head_in_float32(static)
+        if evaluate is None:
+            del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
+    methods = [m.name for m in static.contract.methods]
+    shard_starts = config.shard_starts(len(static.contract.layers))
+    with _stage(result, "export"):
+        programs = {name: static.export(name) for name in methods}
+    contract, quantized_io = static.contract, None
+    if config.quant.is_quantized:
+        graphs = _quantize(static, programs, config, tokenizer, texts, result)
+        if not config.float_io:
+            from optimum_qnn.quantization.io import integer_io
+
+            contract, quantized_io = integer_io(static.contract, graphs)
+        sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
+        del programs
+        if evaluate is None:
+            _release_float_weights(static.module, graphs.values())
+    else:
+        sources = dict(programs)
+    writer = VariantWriter(
+        output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
+        load_report=load_report, tokenizer=tokenizer, text_config=static.text_config,
+    )
+    from optimum_qnn.artifacts.hub import write_model_card
+    from optimum_qnn.artifacts.inspection import export_time_inspection
+    from optimum_qnn.exporter.delegation import format_delegation
+    from optimum_qnn.exporter.lowering import lower_to_pte
+
+    evaluator = None
+    if evaluate is not None:
+        evaluator = _evaluator(hf_model, static, tokenizer, evaluate, evaluate_tokens, result)
+    for soc in config.socs:
+        lower = functools.partial(
+            lower_to_pte, sources, soc, fp16=not config.quant.is_quantized,
+            constant_methods=runner_metadata(static, config, contract), skip_ops=_CPU_OPS, int64_inputs={"tokens"},
+            shard_starts=shard_starts, quantized_io=quantized_io, memory_budget_gb=memory.budget_gib,
+        )
+        # The program is streamed to a file next to the variants (the same file system: the writer moves it into
+        # place), so its bytes are never joined in memory; the file goes with a failure.
+        program_file = staging_path(output, ".pte")
+        try:
+            with _stage(result, f"lower {soc.value}"), _progress(f"Lowering for {soc.value}"):
+                lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1, path=program_file)
+                result.delegation[soc.value] = format_delegation(lowered.delegation)
+            with _stage(result, f"inspect {soc.value}"):
+                unshared = (lambda: lower(weight_sharing=False).buffer) if check_weight_sharing else None
+                inspection = export_time_inspection(lowered.program, unshared)
+            with _stage(result, f"write {soc.value}"):
+                path = writer.write_variant(
+                    variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
+                    evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
+                )
+                result.variants.append(path)
+                with folder_lock(output):  # the folder is complete as published: its card lists every variant
+                    write_model_card(output)
+        finally:
+            program_file.unlink(missing_ok=True)
+    return result
+
+
+class _ShardProgress(logging.Handler):
+    """Advances the lowering bar from ExecuTorch's QNN preprocessing log, "Processing Method(j): (i/N)": it
+    compiles one context (shard) after the other, each holding every method's i-th partition. With compile
+    workers (`optimum_qnn.exporter.parallel_compile`), the bar counts the shards they finished instead."""
+
+    _PATTERN = re.compile(r"Processing Method\((\d+)\): \((\d+)/(\d+)\)")
+    _PREPARING, _COMPILED = (re.compile(m.replace("%d", r"(\d+)")) for m in (PREPARING_MESSAGE, COMPILED_MESSAGE))
+
+    def __init__(self, bar: tqdm) -> None:
+        super().__init__(logging.INFO)
+        self.bar = bar
+        self.desc = bar.desc
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if compiled := self._COMPILED.fullmatch(record.getMessage()):
+            self.bar.n, self.bar.total = map(int, compiled.groups())
+            self.bar.set_description_str(self.desc if self.bar.n == self.bar.total else self.bar.desc)
+        if preparing := self._PREPARING.fullmatch(record.getMessage()):
+            shard, self.bar.total = map(int, preparing.groups())
+            self.bar.set_description_str(f"{self.desc}, preparing shard {shard}")
+        match = self._PATTERN.search(record.getMessage())
+        if match:
+            method, shard, shards = map(int, match.groups())
+            self.bar.total = shards
+            self.bar.n = shard - 1  # shards finished
+            self.bar.set_description_str(f"{self.desc}, compiling shard {shard} (method {method + 1})")
+
+
+# The logger of ExecuTorch's QnnBackend preprocessing (executorch 1.5.1 backends/qualcomm/qnn_preprocess.py).
+_QNN_PREPROCESS_LOGGER = "executorch.backends.qualcomm.qnn_preprocess"
+
+
+@contextmanager
+def _progress(desc: str) -> Iterator[None]:
+    """A progress bar over the shards while the QNN compiler runs, ticking elapsed time and RSS every second.
+
+    It writes to its own copy of stderr's file: the lowering points the process's stdout/stderr at a log file
+    meanwhile (see `quiet_native_output`)."""
+    try:
+        stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")  # the file sys.stderr writes to, not always fd 2
+    except (OSError, ValueError):  # a stderr without a file descriptor (captured, e.g. by pytest): no bar
+        yield
+        return
+    bar = tqdm(desc=desc, total=None, file=stream, unit="shard", mininterval=1.0,
+               bar_format="{desc}: {n_fmt}/{total_fmt} shards done [{elapsed}{postfix}]")
+    shards = _ShardProgress(bar)
+    source = logging.getLogger(_QNN_PREPROCESS_LOGGER)
+    source.addHandler(shards)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            bar.set_postfix_str(f"RSS {_rss_mb() / 1024:.1f} GB" if os.path.exists("/proc/self/statm") else "")
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        with progress_lines_to(shards):
+            yield
+        if bar.total:
+            bar.n = bar.total
+            bar.set_description_str(desc)
+    finally:
+        done.set()
+        ticker.join()
+        source.removeHandler(shards)
+        bar.close()
+        stream.close()
+
+
+def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max_tokens: int, result: ExportResult):
+    """``evaluate(folder, manifest)`` for `VariantWriter.write_variant`: scores the staged .pte against fp32."""
+    from optimum_qnn.artifacts.manifest import Evaluation
+    from optimum_qnn.exporter.evaluation import evaluate_variant, staged_session
+
+    contract = static.contract
+    reference = StaticCausalLM.from_hf(hf_model, max_context_len=contract.context_len, ar_len=contract.methods[0].ar_len)
+
+    def run(folder: Path, manifest) -> Evaluation:
+        with _stage(result, "evaluate"):
+            scores = evaluate_variant(
+                reference.session(), lambda: staged_session(folder, manifest), tokenizer,
+                text_file, contract.context_len, static.text_config.bos_token_id, max_tokens,
+            )
+            # The emulator's program sits in a reference cycle (model -> session -> timed methods -> model): free its
+            # QNN context now, not during the next SoC's lowering or at exit.
+            gc.collect()
+        logger.info(
+            "Evaluation on %d tokens of %s: perplexity %.3f (fp32) -> %.3f (exported), logits SQNR %.1f dB, top-1 %.3f",
+            scores.tokens, text_file.name, scores.perplexity_reference, scores.perplexity_exported, scores.sqnr_db,
+            scores.top1_agreement,
+        )
+        return Evaluation(
+            text_file=text_file.name, tokens=scores.tokens, perplexity_reference=round(scores.perplexity_reference, 4),
+            perplexity_exported=round(scores.perplexity_exported, 4),
+            sqnr_db=round(min(scores.sqnr_db, 200.0), 2),  # identical logits give +inf, which JSON cannot hold
+            top1_agreement=round(scores.top1_agreement, 4),
+        )
+
+    return run
+
+
+# Ops that stay on the CPU side of the .pte: the embedding lookups (the per-layer table is far too large for
+# the NPU; quantized lookups are CPU kernels anyway).
+_CPU_OPS = frozenset({"aten.embedding.default"})
+
+
+def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig) -> None:
+    """Replace the token and per-layer embedding tables with CPU-side (weight-only quantized) lookups."""
+    from optimum_qnn.quantization.embedding import QuantizedEmbedding
+
+    text = static.module.model
+    names = ["embed_tokens"] + (["embed_tokens_per_layer"] if text.ple_dim else [])
+    for name in names:
+        hf_embedding = getattr(text, name)
+        setattr(text, name, ScaledLookup(QuantizedEmbedding.from_embedding(hf_embedding, config.embedding_quant), hf_embedding.scalar_embed_scale))
+
+
+def _release_float_weights(module: torch.nn.Module, graphs) -> None:
+    """Empty the float weights that the quantized graphs no longer read (they hold quantized copies), so lowering
+    does not carry them: 7.4 GB of fp32 layer weights and 1.6 GB of lm_head for Gemma-4-E2B. The module cannot
+    run afterwards."""
+    from optimum_qnn.quantization.folding import tensor_attributes
+
+    used = {t.untyped_storage().data_ptr() for graph in graphs for _, t in tensor_attributes(graph)}
+    freed = 0
+    for p in module.parameters():
+        if p.numel() and p.untyped_storage().data_ptr() not in used:
+            freed += p.nbytes
+            p.data = torch.empty(0, dtype=p.dtype)
+    logger.info("Released %.0f MB of float weights before lowering", freed / 2**20)
+
+
+def _lm_head_in_float32(static: StaticCausalLM) -> None:
+    """The lm_head shares the token table, which may be loaded in its stored dtype: the HTP graph wants fp32."""
+    head = static.module.lm_head
+    if head.weight.dtype != torch.float32:
+        head.weight = torch.nn.Parameter(head.weight.detach().to(torch.float32), requires_grad=False)
+
+
+class ScaledLookup(torch.nn.Module):
+    """A CPU lookup followed by Gemma4's constant embedding scale (sqrt of the width)."""
+
+    def __init__(self, lookup: torch.nn.Module, scale: float):
+        super().__init__()
+        self.lookup = lookup
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup(ids) * self.scale
+
+
+def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, texts: list[str], result: ExportResult):
+    from optimum_qnn.quantization.ptq import quantize_static
+
+    graphs, result.quant_rows, result.mixed_plan = quantize_static(
+        static, programs, config, tokenizer, texts, stage=lambda name: _stage(result, name)
+    )
+    return graphs
+
+
+def runner_metadata(
+    static: StaticCausalLM, config: ExportConfig, contract: RunnerContract | None = None
+) -> dict[str, int | float | bool]:
+    """Constant methods matching ExecuTorch's Qualcomm LLM runner, so its runners find what they read.
+
+    ``contract``: the deployed contract (integer IO of a quantized export); the static model's by default."""
+    cfg = static.text_config
+    contract = contract or static.contract
+    layers = contract.layers
+    sliding = [l for l in layers if l.attention.value == "sliding_attention"]
+    full = [l for l in layers if l.attention.value == "full_attention"]
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else (cfg.eos_token_id or [1])[0]
+    meta: dict[str, int | float | bool] = {
+        "get_ar_len": contract.methods[0].ar_len,
+        "get_bos_id": int(cfg.bos_token_id if cfg.bos_token_id is not None else -1),
+        "get_eos_id": int(eos),
+        "get_dim": cfg.hidden_size,
+        "get_head_dim": (sliding or full)[0].head_dim,
+        "get_global_head_dim": (full or sliding)[0].head_dim,
+        "get_max_batch_size": 1,
+        "get_max_seq_len": contract.context_len,
+        "get_max_context_len": contract.context_len,
+        "get_n_bos": 1,
+        "get_n_eos": 1,
+        "get_n_kv_heads": layers[0].kv_heads,
+        "get_n_layers": cfg.num_hidden_layers,
+        "get_n_self_layers": len(contract.cache_layers),
+        "get_vocab_size": cfg.vocab_size,
+        "get_use_kv_cache": True,
+        "get_sliding_window": contract.sliding_window or 0,
+        "get_num_kv_shared_layers": cfg.num_kv_shared_layers,
+    }
+    meta["get_kv_io_bit_width"] = contract.kv_io_bits
+    logits = contract.methods[0].outputs[0]
+    if logits.quantized:  # what ExecuTorch's host scripts read to dequantize uint16 logits
+        meta["get_logits_scale"] = logits.scale
+        meta["get_logits_zero_point"] = logits.zero_point
+    return meta

@@ -1,0 +1,158 @@
+"""Checks that run before an export does any long work: the arguments, the checkpoint folder (config, file headers,
+tokenizer), the calibration and evaluation text, and the user's patterns against the swapped model.
+
+A mistake found here costs the user a second; found by the pipeline it would cost the load, the calibration or the
+lowering first. Every refusal is an `OptimumQnnError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from optimum_qnn.quantization.calibration import CalibrationSource, check_text_file
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode
+from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.exporter.memory import MemoryPlan, ParameterCounts, choose_memory_plan
+from optimum_qnn.models.gemma4.loading import CheckpointError, check_checkpoint, read_text_config
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens) -> None:
+    """The Python API's arguments, checked with the CLI's messages (wrong types included)."""
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        raise InvalidInputError(f"model must be a Hub id or a folder path; got {model!r}")
+    if not isinstance(output, (str, os.PathLike)) or not str(output).strip():
+        raise InvalidInputError(f"output must be a folder path; got {output!r}")
+    if not isinstance(config, ExportConfig):
+        raise InvalidInputError(f"config must be an ExportConfig; got {type(config).__name__}")
+    if revision is not None and not isinstance(revision, str):
+        raise InvalidInputError(f"revision must be a string (branch, tag or commit); got {revision!r}")
+    if calibration is not None and not isinstance(calibration, CalibrationSource):
+        raise InvalidInputError(f"calibration must be a CalibrationSource; got {type(calibration).__name__}")
+    if evaluate is not None and not isinstance(evaluate, (str, os.PathLike)):
+        raise InvalidInputError(f"evaluate must be a text file path; got {evaluate!r}")
+    if isinstance(evaluate_tokens, bool) or not isinstance(evaluate_tokens, int) or evaluate_tokens < 1:
+        raise InvalidInputError(f"--evaluate-tokens must be a positive integer; got {evaluate_tokens!r}")
+
+
+def first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (what creating ``path`` would add), or None."""
+    path = Path(os.path.abspath(path))
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def source_model_id(model: str, folder: Path) -> str:
+    """What the manifest records as the source model: the Hub id, never a local absolute path (it leaks the
+    user's directory layout and means nothing elsewhere). A local folder is recorded by its name, or as the Hub
+    id of the Hugging Face cache entry it is a snapshot of (``models--org--name/snapshots/<sha>``)."""
+    if not Path(model).expanduser().is_dir():
+        return model
+    resolved = Path(os.path.abspath(Path(model).expanduser()))
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
+        return resolved.parent.parent.name[len("models--"):].replace("--", "/")
+    return resolved.name
+
+
+def preflight(model: str, folder: Path, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
+              allow_pickle: bool, evaluate: Path | None) -> tuple[object, ExportConfig, MemoryPlan]:
+    """Every check that needs the checkpoint folder but not its tensors. Returns the tokenizer (or None), the
+    config with its embedding quantization and shard count resolved, and the memory plan (estimates) behind them."""
+    if revision is not None and Path(model).expanduser().is_dir():
+        raise InvalidInputError(f"--revision {revision!r} selects a Hub revision, but {model} is a local folder; drop --revision")
+    text_config = read_text_config(folder)
+    max_pos = text_config.max_position_embeddings
+    if config.shapes.max_seq_len > max_pos:
+        raise InvalidInputError(
+            f"--max-seq-len {config.shapes.max_seq_len} exceeds the model's max_position_embeddings ({max_pos}); "
+            f"choose at most {max_pos}"
+        )
+    if config.shards is not None:
+        config.shard_starts(text_config.num_hidden_layers)  # a bad --shards fails here
+    widths = (text_config.hidden_size,)
+    if text_config.hidden_size_per_layer_input:
+        widths += (text_config.num_hidden_layers * text_config.hidden_size_per_layer_input,)
+    if config.embedding_quant is None:
+        config = dataclasses.replace(config, embedding_quant=EmbeddingQuant.default_for(config.quant, widths))
+        logger.info("Embedding tables: %s (tables %s wide)", config.embedding_quant, " and ".join(map(str, widths)))
+    else:
+        config.embedding_quant.check_widths(widths)
+    # From the config alone, before the weight files are even opened: an export that cannot fit stops here.
+    plan = choose_memory_plan(ParameterCounts.from_config(text_config), config, evaluate=evaluate is not None)
+    config = dataclasses.replace(config, shards=plan.estimate.shards)
+    check_checkpoint(folder, allow_pickle=allow_pickle)
+    tokenizer = load_tokenizer(folder)
+    if tokenizer is None and config.quant.is_quantized and calibration.file is not None:
+        raise InvalidInputError(
+            f"{folder} has no tokenizer, so the calibration text cannot be tokenized; add the model's tokenizer "
+            "files to the folder, or drop --calib-file to calibrate on random token ids"
+        )
+    if tokenizer is None and evaluate is not None:
+        raise InvalidInputError("--evaluate needs the model's tokenizer, and the model folder has none")
+    return tokenizer, config, plan
+
+
+def read_texts(config: ExportConfig, calibration: CalibrationSource, evaluate: Path | None) -> list[str] | None:
+    """Check the text files (and that this host can evaluate) before the model is even looked for; returns the
+    calibration texts of a quantized export."""
+    if evaluate is not None:
+        check_can_evaluate(evaluate, config)
+        check_text_file(evaluate, "Evaluation text")
+    return calibration.texts() if config.quant.is_quantized else None
+
+
+def check_overrides_match(module: torch.nn.Module, config: ExportConfig) -> None:
+    """A --quant-override that matches no module would silently change nothing: refuse it, naming real paths."""
+    if not config.overrides:
+        return
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern, scheme in config.overrides:
+        if not any(re.search(pattern, name) for name in names):
+            examples = ", ".join(n for n in names if n.endswith(("lm_head", "layers.0.self_attn.q_proj", "layers.0.mlp")))
+            raise InvalidInputError(
+                f"--quant-override {pattern}={scheme.value} matches no module of this model; module paths look like: "
+                f"{examples}"
+            )
+
+
+def check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
+    from optimum_qnn.errors import InvalidInputError
+    from optimum_qnn.program import host_can_run
+
+    if not text_file.is_file():
+        raise InvalidInputError(f"Evaluation text file {text_file} does not exist")
+    if not host_can_run(config.weight_sharing and config.mode is ExportMode.HYBRID):
+        raise InvalidInputError(
+            "--evaluate runs the .pte on the x86 HTP emulator, which cannot load a hybrid .pte with shared weights: "
+            "add --no-weight-sharing, or evaluate on a Snapdragon host"
+        )
+
+
+def load_tokenizer(folder: Path):
+    """The checkpoint's tokenizer, or None when it has none. A tokenizer that is there but cannot be read is an
+    error: it would be copied into the artifact and break every runner."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logger.warning("No tokenizer in %s; calibration uses random token ids", folder)
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer("a", add_special_tokens=False)
+        return tokenizer
+    except Exception as e:  # tokenizers raises bare Exception subclasses on a corrupt tokenizer.json
+        raise CheckpointError(
+            f"The tokenizer in {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}): a tokenizer file is corrupt "
+            "or an incomplete download. Download the model again, or remove the tokenizer files to export without one"
+        ) from None

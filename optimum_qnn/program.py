@@ -1,0 +1,164 @@
+"""One exported .pte in ExecuTorch's Python runtime (the QNN delegate on a Snapdragon host, or the x86 HTP emulator).
+
+Core: the runtime's host backend generates through it, and the exporter's `--evaluate` scores a staged variant
+through it, so neither needs the other.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from optimum_qnn.errors import OptimumQnnError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# Hosts whose HTP is the x86 emulator inside onnxruntime-qnn's libQnnHtp.so (`platform.machine()` spells it both ways).
+EMULATOR_MACHINES = frozenset({"x86_64", "amd64"})
+
+
+@dataclass(frozen=True)
+class ProgramFacts:
+    """What loading a .pte needs to know from its manifest."""
+
+    sha256: str
+    method_names: tuple[str, ...]
+    weight_sharing: bool
+    shards: int
+    qairt_build_id: str
+
+    @classmethod
+    def of(cls, manifest) -> "ProgramFacts":
+        """From an `artifacts.manifest.Manifest` (read duck-typed: the core does not import the artifacts wing)."""
+        return cls(
+            sha256=manifest.program.sha256,
+            method_names=tuple(m.name for m in manifest.runner_contract().methods),
+            weight_sharing=manifest.contract.weight_sharing,
+            shards=manifest.contract.shards,
+            qairt_build_id=manifest.versions.qairt_build_id,
+        )
+
+
+class LoadedProgram:
+    """One loaded .pte and its methods, shared by every `QNNModelForCausalLM` of the same file content.
+
+    ExecuTorch's QNN backend caches the delegate handle of each context binary by the signature stamped into it at
+    compile time (`QnnExecuTorchBackend::init`, "Use cached delegate handle for current method"): a second load of
+    the same .pte gets the first load's handle, and destroying either program destroys the QNN context both use
+    (the next call fails with "DelegateHandle has been deleted" and the process crashes). So a .pte is loaded once per
+    process and its program lives as long as any model uses it: models hold it strongly, the table below weakly,
+    and Python's reference counting frees it with its last model. Copies of one file (same sha256) carry the same
+    signatures and share an entry too. Methods run under a lock: the QNN graphs' IO tensors are per context.
+    """
+
+    _live: "weakref.WeakValueDictionary[str, LoadedProgram]" = weakref.WeakValueDictionary()
+    _live_lock = threading.Lock()
+
+    def __init__(self, program: Any, method_names: Sequence[str]):
+        self.program = program  # the methods reference their program's memory: keep it alive with them
+        self.methods = {name: program.load_method(name) for name in method_names}
+        self.lock = threading.Lock()
+
+    @classmethod
+    def get(cls, path: Path, facts: "ProgramFacts") -> "LoadedProgram":
+        """The live program of ``path``'s content (``facts.sha256``), or a fresh load of it."""
+        with cls._live_lock:
+            loaded = cls._live.get(facts.sha256)
+            if loaded is None:
+                loaded = cls(load_program(path, facts), facts.method_names)
+                cls._live[facts.sha256] = loaded
+            return loaded
+
+    @classmethod
+    def live_count(cls) -> int:
+        """Programs loaded in this process and still used by a model."""
+        return len(cls._live)
+
+
+class ExecClock:
+    """Seconds spent inside method calls, owned by one model (not by the shared program)."""
+
+    total: float = 0.0
+
+
+class TimedMethod:
+    """Calls one method of a shared program, timing it on a model's clock.
+
+    It refers to the program and the clock, never to the model, so a model is freed as soon as its last reference
+    goes (no reference cycle left for the garbage collector).
+    """
+
+    def __init__(self, loaded: LoadedProgram, name: str, clock: ExecClock):
+        self.loaded, self.method, self.clock = loaded, loaded.methods[name], clock
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
+        args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+        with self.loaded.lock:
+            t0 = time.perf_counter()
+            out = self.method.execute(args)
+            self.clock.total += time.perf_counter() - t0
+        return out
+
+
+def is_emulator_host(machine: str | None = None) -> bool:
+    """x86_64 hosts run QNN through the HTP emulator inside libQnnHtp.so, which cannot load weight-shared contexts."""
+    return (machine or platform.machine()).lower() in EMULATOR_MACHINES
+
+
+def host_can_run(weight_sharing: bool, machine: str | None = None) -> bool:
+    """Whether this host can load a .pte: the x86 HTP emulator cannot load graphs that share weights."""
+    return not (weight_sharing and is_emulator_host(machine))
+
+
+def load_program(path: Path, facts: "ProgramFacts"):
+    """Load the .pte with the QNN backend and the CPU kernels its embedding lookups need."""
+    from optimum_qnn.sdk import check_runtime_can_load, ensure_qnn_sdk
+
+    if not host_can_run(facts.weight_sharing):
+        raise OptimumQnnError(
+            f"{path} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
+            "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
+        )
+    check_pte_structure(path)
+    sdk = ensure_qnn_sdk()
+    check_runtime_can_load(facts.qairt_build_id, sdk.build_id, runtime_source=sdk.source)
+    import executorch.kernels.quantized  # noqa: F401  (registers quantized_decomposed::embedding_* kernels)
+
+    if facts.shards > 1:
+        # The CPU kernel of `llama::fallback`, the identity op between the shards' QNN delegates.
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+    from executorch.runtime import Runtime
+
+    from optimum_qnn.sdk.backend import check_qnn_backend
+
+    check_qnn_backend()  # an ExecuTorch without QNN would fail in load_method with a bare backend error
+    try:
+        return Runtime.get().load_program(path)
+    except (RuntimeError, ValueError) as e:
+        raise OptimumQnnError(f"Cannot load {path} ({e}); the file is corrupt or not an ExecuTorch program") from None
+
+
+def check_pte_structure(path: Path) -> None:
+    """Refuse a file that is not a whole ExecuTorch program before the runtime parses it.
+
+    ExecuTorch's loader trusts the sizes in the file and crashes the process on a truncated one, so the header
+    (file identifier ``ET..``, extended header ``eh00`` with the program and segment sizes) is checked here.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(40)
+    bad = OptimumQnnError(f"{path} is corrupt or not an ExecuTorch program (bad or truncated header); export it again")
+    if len(head) < 40 or head[4:6] != b"ET" or head[8:12] != b"eh00":
+        raise bad
+    program_size = int.from_bytes(head[16:24], "little")
+    segment_base = int.from_bytes(head[24:32], "little")
+    segment_size = int.from_bytes(head[32:40], "little")
+    if program_size > size or (segment_size and segment_base + segment_size > size):
+        raise bad

@@ -1,0 +1,322 @@
+"""The runner backend: ExecuTorch's own C++ Qualcomm LLM runner (``qnn_llama_runner``, from ExecuTorch's
+``examples/qualcomm/oss_scripts/llama``), driven as ExecuTorch's host script drives it, through a transport:
+`adb.AdbTransport` (a phone plugged into this machine) or `local.LocalTransport` (this machine: an aarch64 Linux
+board, a Windows-on-Snapdragon laptop, or x86 with the HTP emulator).
+
+The runner, its backend library, the QAIRT libraries the transport needs, the .pte and the tokenizer go to the
+transport's workspace once; each `generate` writes the prompt as raw token ids (``--tokenized_prompt``: uint64
+little-endian, no BOS added), runs the runner and reads its ``outputs.txt`` and ``inference_speed.txt``.
+
+What the runner gives back, read from its sources (``qnn_llama_runner.cpp``, ``runner/runner.cpp``,
+``runner/token_generator.cpp``): ``outputs.txt`` holds the ``--tokenized_prompt`` argument (its echo of the prompt)
+then each generated token's text, written only when the runner exits; stdout holds a ``PyTorchObserver {json}``
+line with token counts and millisecond timestamps. It prints no token ids, so the ids are the generated text
+encoded again with the artifact's tokenizer, checked against the runner's token count. It stops at its own end
+tokens: the tokenizer's EOS and ``encode("<turn|>")[0]`` (``runner.cpp``, Gemma4), see `runner_stop_ids`.
+
+Runtime code: imports neither the exporter, the quantizer nor torch.export, and does not load ExecuTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
+from optimum_qnn.contract import PREFILL_METHOD
+from optimum_qnn.errors import ContextOverflowError, InvalidInputError
+from optimum_qnn.runtime.backends.bundle import (
+    BACKEND_LIBRARY, RUNNER_NAME, BundleFile, find_backend_library, find_runner,
+)
+from optimum_qnn.runtime.backends.device import DeviceError, DeviceSpec
+from optimum_qnn.runtime.generation import GenerationStats, Sampling, eos_ids
+from optimum_qnn.sdk import check_runtime_can_load
+
+logger = logging.getLogger(__name__)
+
+_OBSERVER = "PyTorchObserver "
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # the runner reads EOS/BOS from the config
+_STDERR_TAIL = 40
+
+
+@dataclass(frozen=True)
+class RunnerReport:
+    """What the runner said about the last generation: its ``PyTorchObserver`` stats, ``inference_speed.txt``
+    (generated tokens per second of the whole call), the command, and the last lines of its stderr."""
+
+    command: str
+    observer: dict[str, Any]
+    inference_speed: float | None
+    stderr_tail: str = ""
+    text: str = ""
+
+    @property
+    def model_load_s(self) -> float:
+        return (self.observer.get("model_load_end_ms", 0) - self.observer.get("model_load_start_ms", 0)) / 1000
+
+
+@dataclass
+class _Streams:
+    stdout: list[str] = field(default_factory=list)
+    stderr: deque = field(default_factory=lambda: deque(maxlen=_STDERR_TAIL))
+
+
+def make_transport(device: DeviceSpec, qnn_sdk_root=None):
+    """The transport of a ``runner`` or ``adb[:SERIAL]`` device."""
+    if device.kind == "adb":
+        from optimum_qnn.runtime.backends.adb import AdbTransport
+
+        return AdbTransport(device.serial, qnn_sdk_root=qnn_sdk_root)
+    if device.kind == "runner":
+        from optimum_qnn.runtime.backends.local import LocalTransport
+
+        return LocalTransport(qnn_sdk_root=qnn_sdk_root)
+    raise DeviceError(f"The runner backend runs on device 'runner', 'adb' or 'adb:SERIAL', not {device}")
+
+
+class RunnerBackend:
+    """An exported variant run by ExecuTorch's ``qnn_llama_runner`` through a transport.
+
+    Args:
+        root: the artifact folder (its tokenizer goes beside the .pte).
+        variant: the variant folder (``model.pte`` + ``manifest.json``), already verified against its manifest.
+        manifest: the variant's manifest.
+        device: ``runner``, ``adb`` or ``adb:SERIAL`` (a `DeviceSpec` or its text).
+        runner: ExecuTorch's ``qnn_llama_runner`` built for the device; default ``$QNN_LLAMA_RUNNER``.
+        qnn_sdk_root: the QAIRT SDK holding the device's libraries; default ``$QNN_SDK_ROOT`` (for ``runner``: this
+            machine's QNN libraries, as the host backend finds them).
+        shared_buffer: pass ``--shared_buffer`` (zero-copy RPC memory, what a Snapdragon device wants); default on
+            for ``adb``, off for ``runner`` on an x86 host (the HTP emulator has no RPC memory).
+        transport: a transport object instead of ``device`` (tests).
+        allowed_root: see `resolve_inside` (a Hub cache snapshot's blobs folder).
+    """
+
+    streams = False  # the runner writes its text when it exits
+
+    def __init__(self, root: Path, variant: Path, manifest: Manifest, *, device: Any = "adb", runner=None,
+                 qnn_sdk_root=None, shared_buffer: bool | None = None, transport: Any = None,
+                 allowed_root: Path | None = None):
+        self.root, self.variant, self.manifest = Path(root), Path(variant), manifest
+        self.contract = manifest.runner_contract()
+        self.stats = GenerationStats()
+        self.report: RunnerReport | None = None
+        self.hybrid = any(m.name == PREFILL_METHOD for m in self.contract.methods)
+        spec = DeviceSpec.parse(device)
+        if spec.kind == "host":
+            raise DeviceError("device='host' runs ExecuTorch's Python runtime, not the runner backend")
+        self.transport = transport or make_transport(spec, qnn_sdk_root)
+        self.shared_buffer = self.transport.shared_buffer_default if shared_buffer is None else shared_buffer
+        self.variant_dir = self.variant.relative_to(self.root).as_posix().replace("/", "_")
+        files = self._bundle(runner, allowed_root)
+        self._tokenizer = _load_tokenizer(self.root)
+        self.runner_stop_ids = frozenset(_runner_stop_ids(self._tokenizer, self.root, manifest))
+        self.transport.connect()
+        self.name = self.transport.name
+        self.transport.check_target(manifest)
+        self.pushed = self.transport.install(files, self.variant_dir)
+
+    def _bundle(self, runner, allowed_root) -> list[BundleFile]:
+        """Everything the device needs, checked on this machine (runner, libraries, QAIRT version, tokenizer)."""
+        runner_path = find_runner(runner)
+        backend = find_backend_library(runner_path)
+        libs, build_id, source = self.transport.qairt_libraries(self.manifest.target.htp_arch)
+        check_runtime_can_load(self.manifest.versions.qairt_build_id, build_id, runtime_source=source)
+        program = self.manifest.program
+        files = [
+            BundleFile(runner_path, RUNNER_NAME, executable=True),
+            BundleFile(backend, BACKEND_LIBRARY),
+            *(BundleFile(lib, lib.name) for lib in libs),
+            BundleFile(resolve_inside(self.variant, program.path, allowed_root=allowed_root),
+                       f"{self.variant_dir}/model.pte", sha256=program.sha256),
+        ]
+        for name in _TOKENIZER_FILES:
+            path = self.root / name
+            if path.is_file():
+                files.append(BundleFile(path, f"{self.variant_dir}/tokenizer/{name}"))
+            elif name == "tokenizer.json":
+                raise DeviceError(f"{self.root} has no tokenizer.json, which the runner needs; export again")
+        return files
+
+    # -- generation --------------------------------------------------------------------------------------------
+
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
+                 streamer: Any) -> list[int]:
+        """The new tokens after ``prompt``; fills ``self.stats`` from the runner's own figures.
+
+        The runner also stops at its own end tokens (`runner_stop_ids`); ``eos_token_id`` can only stop earlier.
+        Sampling takes ``temperature`` only (the runner's sampler has fixed top-p and seeds itself from the clock).
+        """
+        ids = prompt.tolist()
+        self._check_request(ids, sampling)
+        stops = self.runner_stop_ids | eos_ids(eos_token_id, default=())  # the runner's own stop ids always apply
+        stats = GenerationStats(prompt_tokens=len(ids), stopped_by="max_new_tokens")
+        new: list[int] = []
+        if max_new_tokens > 0:
+            seq_len = min(len(ids) + max_new_tokens, self.contract.context_len)
+            new = self._run(ids, seq_len, sampling.temperature if sampling.do_sample else 0.0, stats)
+            if len(ids) + max_new_tokens > seq_len and len(new) == seq_len - len(ids):
+                stats.stopped_by = "context_full"
+        cut = next((i + 1 for i, t in enumerate(new) if t in stops), None)
+        if cut is not None:
+            new, stats.stopped_by = new[:cut], "eos"
+        stats.new_tokens = len(new)
+        self.stats = stats
+        return new
+
+    def _check_request(self, prompt: list[int], sampling: Sampling) -> None:
+        """What only the runner refuses (the common checks are `generation.check_generate_args`)."""
+        vocab = self.contract.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        # The runner's prompt processor needs the whole prompt in the cache slots of its method.
+        limit = self.contract.context_len - (self.contract.method(PREFILL_METHOD).ar_len if self.hybrid else 1)
+        if len(prompt) > limit:
+            raise ContextOverflowError(
+                f"The prompt has {len(prompt)} tokens but the runner takes at most {limit} with this export "
+                f"(context {self.contract.context_len}); shorten it or export with a larger --max-seq-len"
+            )
+        if sampling.do_sample and (sampling.top_k is not None or sampling.top_p is not None
+                                   or sampling.generator is not None):
+            raise InvalidInputError(
+                "ExecuTorch's runner samples with a temperature only (its top-p is fixed and it seeds itself): "
+                "drop top_k, top_p and generator, or generate with device='host'"
+            )
+
+    def runner_args(self, seq_len: int, temperature: float) -> list[str]:
+        """The runner's argv for one generation, paths relative to the transport's workspace."""
+        v = self.variant_dir
+        args = [
+            f"./{RUNNER_NAME}",
+            "--decoder_model_version", "gemma4",
+            "--model_path", f"{v}/model.pte",
+            "--tokenizer_path", f"{v}/tokenizer",
+            "--tokenized_prompt", f"{v}/prompt.raw",
+            "--eval_mode", "1" if self.hybrid else "0",
+            "--seq_len", str(seq_len),
+            "--temperature", repr(float(temperature)),
+            "--output_path", f"{v}/outputs/outputs.txt",
+            "--performance_output_path", f"{v}/outputs/inference_speed.txt",
+        ]
+        if self.shared_buffer:
+            args.append("--shared_buffer")
+        return args
+
+    def _run(self, prompt: list[int], seq_len: int, temperature: float, stats: GenerationStats) -> list[int]:
+        """Run the runner once; returns the generated ids and fills ``stats`` from the runner's own figures."""
+        t = self.transport
+        outputs = f"{self.variant_dir}/outputs"
+        with tempfile.TemporaryDirectory(prefix="optimum-qnn-runner-") as tmp:
+            local = Path(tmp)
+            (local / "prompt.raw").write_bytes(struct.pack(f"<{len(prompt)}Q", *prompt))
+            t.put(local / "prompt.raw", f"{self.variant_dir}/prompt.raw")
+            t.remove([f"{outputs}/outputs.txt", f"{outputs}/inference_speed.txt"])
+            args = self.runner_args(seq_len, temperature)
+            returncode, streams, command = self._stream(args)
+            observer = _observer(streams.stdout)
+            tail = "".join(streams.stderr).strip()
+            if returncode != 0 or observer is None:
+                tail = tail or t.log_tail()  # a runner built with ExecuTorch's android PAL logs to logcat
+                why = f"exited with status {returncode}" if returncode != 0 else "printed no PyTorchObserver stats"
+                raise DeviceError(
+                    f"{RUNNER_NAME} on {t.name} {why}. Its last output:\n{tail or '(none)'}\n"
+                    "Check that the runner, its backend library and QAIRT's libraries come from matching builds, and "
+                    f"that the .pte was exported by this optimum-qnn ({t.weight_sharing_hint})"
+                )
+            t.get(f"{outputs}/outputs.txt", local / "outputs.txt")
+            t.get(f"{outputs}/inference_speed.txt", local / "inference_speed.txt")
+            raw = (local / "outputs.txt").read_bytes()
+            speed = _float_or_none((local / "inference_speed.txt").read_text().strip())
+        echo = f"{self.variant_dir}/prompt.raw".encode()
+        text = (raw[len(echo):] if raw.startswith(echo) else raw).decode("utf-8", errors="replace")
+        expected = int(observer.get("generated_tokens", 0)) + 1  # the runner does not count the prefill's token
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) != expected:
+            logger.warning(
+                "The runner generated %d tokens but its text encodes to %d; the returned ids are the text's own "
+                "tokenization", expected, len(ids),
+            )
+        self.report = RunnerReport(command, observer, speed, tail, text)
+        _fill_stats(stats, observer)
+        return ids
+
+    def _stream(self, args: list[str]) -> tuple[int, _Streams, str]:
+        """Run the runner, reading its stdout line by line as it comes and its stderr beside it."""
+        proc, command = self.transport.start(args)
+        streams = _Streams()
+
+        def drain_stderr():
+            for line in proc.stderr:
+                streams.stderr.append(line.decode("utf-8", errors="replace"))
+
+        reader = threading.Thread(target=drain_stderr, daemon=True)
+        reader.start()
+        try:
+            for line in proc.stdout:
+                text = line.decode("utf-8", errors="replace")
+                streams.stdout.append(text)
+                logger.debug("runner: %s", text.rstrip())
+            returncode = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: closing our end ends the runner too
+                proc.kill()
+                proc.wait()
+        reader.join()
+        return returncode, streams, command
+
+
+def _load_tokenizer(root: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(root / "tokenizer.json"))
+
+
+def _runner_stop_ids(tokenizer, root: Path, manifest: Manifest) -> set[int]:
+    """The ids ExecuTorch's runner stops at for Gemma4 (``runner.cpp``): the tokenizer's EOS (named by
+    tokenizer_config.json, which is pushed beside tokenizer.json) and the first id of ``encode("<turn|>")``."""
+    stops = set()
+    config = root / "tokenizer_config.json"
+    eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
+    eos_id = tokenizer.token_to_id(eos if isinstance(eos, str) else (eos or {}).get("content", "")) if eos else None
+    stops |= {eos_id} if eos_id is not None else set(manifest.tokenizer.eos_ids)
+    turn = tokenizer.encode("<turn|>", add_special_tokens=False).ids
+    if turn:
+        stops.add(turn[0])
+    return stops
+
+
+def _observer(lines: list[str]) -> dict[str, Any] | None:
+    for line in reversed(lines):
+        if line.startswith(_OBSERVER):
+            try:
+                return json.loads(line[len(_OBSERVER):])
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def _float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _fill_stats(stats: GenerationStats, observer: dict[str, Any]) -> None:
+    """``GenerationStats`` from the runner's ``PyTorchObserver`` figures (milliseconds, tokens per second).
+
+    The QNN runner times no model execution apart from the rest, so ``host_overhead_share`` stays 0 and there are
+    no per-step times.
+    """
+    stats.prompt_tokens = int(observer.get("prompt_tokens", stats.prompt_tokens))
+    stats.time_to_first_token_s = (observer.get("first_token_ms", 0) - observer.get("inference_start_ms", 0)) / 1000
+    stats.prefill_tokens_per_s = float(observer.get("prefill_token_per_sec", 0.0))
+    stats.decode_tokens_per_s = float(observer.get("decode_token_per_sec", 0.0))

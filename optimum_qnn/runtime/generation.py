@@ -1,0 +1,122 @@
+"""What every runtime backend shares: the checks of `generate`'s arguments, the sampling rule, the stats.
+
+A backend (`runtime/backends/`) runs the tokens; these run before it starts, so bad input gets the same error on
+the host, on a board and on a phone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from optimum_qnn.errors import InvalidInputError
+
+
+@dataclass
+class GenerationStats:
+    """Timings of the last `generate` call."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    host_overhead_share: float = 0.0
+    stopped_by: str = ""
+    step_times: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy (``do_sample=False``) or sampled with these filters."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    def pick(self, logits: torch.Tensor) -> int:
+        return pick(logits, self.do_sample, self.temperature, self.top_k, self.top_p, self.generator)
+
+
+def prompt_ids(input_ids) -> torch.Tensor:
+    """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InvalidInputError(
+            f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
+        ) from None
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InvalidInputError(
+            f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
+            "or convert with .long() if the values are whole)"
+        )
+    if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
+        raise InvalidInputError(
+            f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
+            "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
+        )
+    ids = ids.reshape(-1).long()
+    if ids.numel() == 0:
+        raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
+    return ids  # the range of the ids is checked by the session, for every call
+
+
+def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator) -> None:
+    """The arguments of `generate` besides the prompt, checked before the first token (host and phone alike)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+    check_sampling(do_sample, temperature, top_k, top_p)
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+
+
+def eos_ids(eos_token_id, *, default: Sequence[int]) -> set[int]:
+    """`generate`'s ``eos_token_id`` as a set of ids: None means ``default`` (the manifest's)."""
+    if eos_token_id is None:
+        return set(default)
+    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+        return {eos_token_id}
+    if isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
+        return set(eos_token_id)
+    raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
+
+
+def check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:
+    """Sampling arguments as Hugging Face's generate accepts them, checked before the first token."""
+    if not isinstance(do_sample, bool):
+        raise InvalidInputError(f"do_sample must be True or False; got {do_sample!r}")
+    if not do_sample:
+        return
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise InvalidInputError(f"temperature must be a finite number > 0 when sampling; got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise InvalidInputError(f"top_k must be an integer >= 0 (0 or None: no top-k filter); got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1
+    ):
+        raise InvalidInputError(f"top_p must be in (0, 1] (1 or None: no nucleus filter); got {top_p!r}")
+
+
+def pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_p, generator) -> int:
+    if not do_sample:
+        return int(torch.argmax(logits))
+    check_sampling(do_sample, temperature, top_k, top_p)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_scores, dim=-1) > top_p  # keep the token that crosses top_p
+        scores[order[drop]] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

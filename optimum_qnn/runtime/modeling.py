@@ -1,0 +1,179 @@
+"""`QNNModelForCausalLM`: generate text with an exported artifact, through one of the runtime backends.
+
+- ``device="host"``: ExecuTorch's Python runtime in this process (a Snapdragon host's HTP, or the x86 HTP emulator);
+- ``device="runner"``: ExecuTorch's C++ ``qnn_llama_runner`` on this machine (an aarch64 Linux board or a
+  Windows-on-Snapdragon laptop, where no ExecuTorch Python wheel has the QNN backend; on x86, the emulator);
+- ``device="adb"`` / ``"adb:SERIAL"``: the same runner on a phone plugged into this machine.
+
+The model checks every argument (`runtime.generation`) before its backend runs; the backend returns the tokens and
+its stats. The runtime never imports the exporter, the quantizer or `torch.export`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from optimum_qnn.artifacts.manifest import Manifest, read_manifest, resolve_inside
+from optimum_qnn.artifacts.variants import VariantNotFoundError, select_variant, verify_files
+from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
+from optimum_qnn.contract import RunnerContract
+from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.runtime.backends.device import DeviceSpec
+from optimum_qnn.runtime.generation import GenerationStats, Sampling, check_generate_args, prompt_ids
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QNNModelForCausalLM", "VariantNotFoundError"]
+
+
+class QNNModelForCausalLM:
+    """A QNN-exported Gemma4 causal LM, run through ExecuTorch's runtime (QNN HTP delegate).
+
+    Example:
+
+    ```python
+    >>> model = QNNModelForCausalLM.from_pretrained("out/", soc="SM8650", quant="fp16")
+    >>> model.generate(input_ids, max_new_tokens=32)
+    ```
+    """
+
+    def __init__(self, root: Path, variant: Path, manifest: Manifest, backend: Any = None, *,
+                 allowed_root: Path | None = None):
+        """A verified variant and the backend that runs it (default: the host backend)."""
+        self.root = root
+        self.variant = variant
+        self.manifest = manifest
+        self.contract: RunnerContract = manifest.runner_contract()
+        if backend is None:
+            from optimum_qnn.runtime.backends.host import HostBackend
+
+            backend = HostBackend(variant, manifest, allowed_root=allowed_root)
+        self.backend = backend
+
+    @property
+    def stats(self) -> GenerationStats:
+        """Timings of the last `generate` call, from the backend that ran it."""
+        return self.backend.stats
+
+    @property
+    def device(self) -> str:
+        """Where the tokens are computed: ``host``, ``runner`` or ``adb:SERIAL``."""
+        return self.backend.name
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        repo_or_dir: str | Path,
+        *,
+        soc: str | None = None,
+        quant: str | None = None,
+        context_len: int | None = None,
+        revision: str | None = None,
+        device: str = "host",
+        **device_options: Any,
+    ) -> "QNNModelForCausalLM":
+        """Load one variant of an artifact folder or Hub repo, verified against its manifest.
+
+        Args:
+            repo_or_dir: an artifact folder, or a Hub repo id holding one.
+            soc: e.g. ``"SM8750"``; None when the artifact has a single SoC.
+            quant: e.g. ``"16a4w_block64"``; None when unambiguous.
+            context_len: the exported context length, when several exist.
+            revision: Hub revision to download.
+            device: ``"host"`` (ExecuTorch's Python runtime here), ``"runner"`` (ExecuTorch's C++ runner here) or
+                ``"adb"`` / ``"adb:SERIAL"`` (that runner on a phone). ``device_options`` go to the runner backend
+                (`runtime.backends.runner.RunnerBackend`: ``runner``, ``qnn_sdk_root``, ``shared_buffer``).
+        """
+        if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
+            raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
+        spec = DeviceSpec.parse(device)  # a bad name fails before any download
+        if spec.kind == "host" and device_options:
+            raise InvalidInputError(
+                f"{', '.join(sorted(device_options))}: options of device='runner' or 'adb', not of the host"
+            )
+        from optimum_qnn.artifacts.hub import check_folder_or_repo_id
+
+        check_folder_or_repo_id(str(repo_or_dir), "artifact")
+        path = Path(repo_or_dir).expanduser()
+        blobs = None
+        if path.is_dir():
+            root = path
+            index = read_index(root)
+            entry = select_variant(index, soc, quant, context_len)
+        else:
+            from optimum_qnn.artifacts.hub import download_variant
+
+            root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision)
+            blobs = root.parent.parent / "blobs"  # <cache>/models--org--name/snapshots/<sha>: files link into blobs/
+        if not (root / INDEX_NAME).is_file():
+            raise VariantNotFoundError(f"{root} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
+        variant = resolve_inside(root, entry["path"])
+        manifest = read_manifest(variant)
+        verify_files(variant, manifest, root=root, allowed_root=blobs)
+        if soc is not None and manifest.target.soc != soc.upper():
+            raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
+        backend = None
+        if spec.kind != "host":
+            from optimum_qnn.runtime.backends.runner import RunnerBackend
+
+            backend = RunnerBackend(root, variant, manifest, device=spec, allowed_root=blobs, **device_options)
+        return cls(root, variant, manifest, backend, allowed_root=blobs)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.manifest.tokenizer.eos_ids)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: Any = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate up to ``max_new_tokens`` after ``input_ids``; returns ``[1, prompt + new]`` ids.
+
+        Stops at an EOS id (default: the manifest's; the C++ runner also stops at its own end tokens), at
+        ``max_new_tokens``, or at the end of the context (``self.stats.stopped_by`` says which). ``streamer`` gets
+        ``put(tensor)`` per new token and ``end()`` (from a runner backend: when its process ends).
+        """
+        prompt = prompt_ids(input_ids)
+        check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator)
+        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer)
+        if streamer is not None:
+            if not getattr(self.backend, "streams", False):  # a runner gives its text when it exits
+                for token in new:
+                    streamer.put(torch.tensor([token]))
+            streamer.end()
+        return torch.tensor(prompt.tolist() + new, dtype=torch.long).unsqueeze(0)
+
+    def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
+        """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
+        if not isinstance(prompt, str):
+            raise InvalidInputError(f"prompt must be a string; got {type(prompt).__name__} (use generate() for token ids)")
+        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+            raise InvalidInputError(
+                f"tokenizer must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained(folder)); got {type(tokenizer).__name__}"
+            )
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        out = self.generate(torch.tensor(ids), **kwargs)
+        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
