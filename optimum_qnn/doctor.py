@@ -105,8 +105,10 @@ def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -
     return verdicts
 
 
-def run_doctor(path: Path | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print the diagnosis; return the process exit code (0: QNN usable, 1: not)."""
+def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Print the diagnosis (to ``out`` and ``err``, by default ``sys.stdout`` and ``sys.stderr`` as they are when
+    called); return the process exit code (0: QNN usable, 1: not)."""
+    out, err = out or sys.stdout, err or sys.stderr
     machine, system = platform.machine(), platform.system()
     print(f"optimum-qnn {__version__}", file=out)
     versions = [("python", f"{platform.python_version()} ({machine}, {system})")]

@@ -22,6 +22,7 @@ from optimum_qnn.artifacts import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQnnError
 from optimum_qnn.manifest import Manifest, ManifestError, read_manifest, resolve_inside, sha256_file
+from optimum_qnn.native_output import quiet_runtime
 from optimum_qnn.runner import KVSession
 
 logger = logging.getLogger(__name__)
@@ -360,9 +361,16 @@ class _LoadedProgram:
     _live_lock = threading.Lock()
 
     def __init__(self, program: Any, method_names: Sequence[str]):
-        self.program = program  # the methods reference their program's memory: keep it alive with them
         self.methods = {name: program.load_method(name) for name in method_names}
+        self._held = [program]  # the methods reference their program's memory: keep it alive with them
         self.lock = threading.Lock()
+        # Freed with the last model that uses it (or at exit), the methods first, with what the QNN runtime prints
+        # as it destroys its contexts held back. Only the finalizer may hold the program besides `_held`.
+        weakref.finalize(self, _release, self.methods, self._held)
+
+    @property
+    def program(self) -> Any:
+        return self._held[0]
 
     @classmethod
     def get(cls, path: Path, manifest: Manifest) -> "_LoadedProgram":
@@ -372,7 +380,8 @@ class _LoadedProgram:
             loaded = cls._live.get(key)
             if loaded is None:
                 names = [m.name for m in manifest.runner_contract().methods]
-                loaded = cls(_load_program(path, manifest), names)
+                with quiet_runtime():  # the QNN backend prints a dozen INFO lines as it opens the program's contexts
+                    loaded = cls(_load_program(path, manifest), names)
                 cls._live[key] = loaded
             return loaded
 
@@ -380,6 +389,12 @@ class _LoadedProgram:
     def live_count(cls) -> int:
         """Programs loaded in this process and still used by a model."""
         return len(cls._live)
+
+
+def _release(methods: dict[str, Any], held: list[Any]) -> None:
+    with quiet_runtime():
+        methods.clear()
+        held.clear()
 
 
 class _ExecClock:
@@ -396,14 +411,15 @@ class _TimedMethod:
     """
 
     def __init__(self, loaded: _LoadedProgram, name: str, clock: _ExecClock):
-        self.loaded, self.method, self.clock = loaded, loaded.methods[name], clock
+        # The method is looked up per call, never held here: the program's finalizer must be able to free it.
+        self.loaded, self.name, self.clock = loaded, name, clock
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
         args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
         with self.loaded.lock:
             t0 = time.perf_counter()
-            out = self.method.execute(args)
+            out = self.loaded.methods[self.name].execute(args)
             self.clock.total += time.perf_counter() - t0
         return out
 
