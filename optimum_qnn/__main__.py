@@ -130,7 +130,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                     model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
                 else:
                     model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
-        except (OptimumQnnError, ValueError) as e:
+        except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         s = model.stats

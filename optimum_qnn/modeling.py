@@ -7,7 +7,6 @@ exporter, the quantizer or `torch.export`.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
@@ -24,6 +23,7 @@ from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQ
 from optimum_qnn.manifest import Manifest, ManifestError, read_manifest, resolve_inside, sha256_file
 from optimum_qnn.native_output import quiet_runtime
 from optimum_qnn.runner import KVSession
+from optimum_qnn.runtime_args import PHONE_OPTIONS, check_generate_args, check_sampling, check_selection, eos_ids, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +142,16 @@ class QNNModelForCausalLM:
         """
         if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
             raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
+        check_selection(soc=soc, quant=quant, context_len=context_len, revision=revision)
         if device != "host":
             from optimum_qnn.device import DeviceSpec
 
             DeviceSpec.parse(device)  # a bad name fails before any download
+            unknown = sorted(set(device_options) - PHONE_OPTIONS)
+            if unknown:
+                raise InvalidInputError(
+                    f"Unknown option(s) of device={device!r}: {', '.join(unknown)}; expected some of: {', '.join(sorted(PHONE_OPTIONS))}"
+                )
         elif device_options:
             raise InvalidInputError(f"{', '.join(sorted(device_options))}: options of device='adb', not of the host")
         from optimum_qnn.hub import check_folder_or_repo_id
@@ -257,6 +263,11 @@ class QNNModelForCausalLM:
                 f"tokenizer must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained(folder)); got {type(tokenizer).__name__}"
             )
         if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise InvalidInputError(
+                    "chat=True needs a tokenizer with a chat template, and this one has none: pass chat=False "
+                    "(without --chat) or a tokenizer whose tokenizer_config.json has a chat_template"
+                )
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
             if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
                 ids = ids["input_ids"]
@@ -266,72 +277,10 @@ class QNNModelForCausalLM:
         return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
-def prompt_ids(input_ids) -> torch.Tensor:
-    """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
-    try:
-        ids = torch.as_tensor(input_ids)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise InvalidInputError(
-            f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
-        ) from None
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise InvalidInputError(
-            f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
-            "or convert with .long() if the values are whole)"
-        )
-    if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
-        raise InvalidInputError(
-            f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
-            "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
-        )
-    ids = ids.reshape(-1).long()
-    if ids.numel() == 0:
-        raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
-    return ids  # the range of the ids is checked by the session, for every call
-
-
-def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator) -> None:
-    """The arguments of `generate` besides the prompt, checked before the first token (host and phone alike)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
-    _check_sampling(do_sample, temperature, top_k, top_p)
-    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
-        raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
-
-
-def eos_ids(eos_token_id, *, default: Sequence[int]) -> set[int]:
-    """`generate`'s ``eos_token_id`` as a set of ids: None means ``default`` (the manifest's)."""
-    if eos_token_id is None:
-        return set(default)
-    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-        return {eos_token_id}
-    if isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
-        return set(eos_token_id)
-    raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
-
-
-def _check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:
-    """Sampling arguments as Hugging Face's generate accepts them, checked before the first token."""
-    if not isinstance(do_sample, bool):
-        raise InvalidInputError(f"do_sample must be True or False; got {do_sample!r}")
-    if not do_sample:
-        return
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-        raise InvalidInputError(f"temperature must be a finite number > 0 when sampling; got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise InvalidInputError(f"top_k must be an integer >= 0 (0 or None: no top-k filter); got {top_k!r}")
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1
-    ):
-        raise InvalidInputError(f"top_p must be in (0, 1] (1 or None: no nucleus filter); got {top_p!r}")
-
-
 def _pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_p, generator) -> int:
     if not do_sample:
         return int(torch.argmax(logits))
-    _check_sampling(do_sample, temperature, top_k, top_p)
+    check_sampling(do_sample, temperature, top_k, top_p)
     scores = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]

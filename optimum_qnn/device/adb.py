@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.errors import InvalidInputError, OptimumQnnError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ class DeviceSpec:
 
     @classmethod
     def parse(cls, text: str) -> "DeviceSpec":
-        """``"host"``, ``"adb"`` or ``"adb:SERIAL"``; anything else raises ValueError naming those."""
+        """``"host"``, ``"adb"`` or ``"adb:SERIAL"``; anything else raises InvalidInputError (a ValueError) naming
+        those."""
         value = str(text).strip()
         if value == "host":
             return cls("host")
@@ -50,7 +51,10 @@ class DeviceSpec:
             return cls("adb")
         if value.startswith("adb:") and value[4:].strip():
             return cls("adb", value[4:].strip())
-        raise ValueError(f"Unknown device {text!r}; expected one of: host, adb, adb:SERIAL")
+        raise InvalidInputError(
+            f"Unknown device {text!r}; expected one of: host, adb, adb:SERIAL (host: this machine's QNN runtime; adb: "
+            "the one phone connected; adb:SERIAL: the phone of that serial in `adb devices`)"
+        )
 
     def __str__(self) -> str:
         return self.kind if self.serial is None else f"{self.kind}:{self.serial}"

@@ -49,7 +49,8 @@ from optimum_qnn.device.bundle import (
 )
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 from optimum_qnn.manifest import Manifest, resolve_inside, sha256_file
-from optimum_qnn.modeling import GenerationStats, QNNModelForCausalLM, check_generate_args, eos_ids, prompt_ids
+from optimum_qnn.modeling import GenerationStats, QNNModelForCausalLM
+from optimum_qnn.runtime_args import check_generate_args, eos_ids, prompt_ids
 from optimum_qnn.sdk import check_runtime_can_load
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,10 @@ class PhoneModelForCausalLM:
     ):
         spec = DeviceSpec.parse(device)
         if spec.kind != "adb":
-            raise ValueError(f"PhoneModelForCausalLM runs on device 'adb' or 'adb:SERIAL', not {device!r}")
+            raise InvalidInputError(
+                f"PhoneModelForCausalLM runs on device 'adb' or 'adb:SERIAL', not {device!r}; for this machine use "
+                "QNNModelForCausalLM.from_pretrained(..., device='host')"
+            )
         self.root, self.variant, self.manifest = Path(root), Path(variant), manifest
         self.contract = manifest.runner_contract()
         self.stats = GenerationStats()

@@ -1,0 +1,94 @@
+"""What the runtime accepts from its caller, checked before anything loads or runs: the variant a `from_pretrained`
+asks for, the prompt and the arguments of `generate` (the host's `QNNModelForCausalLM` and the phone's
+`PhoneModelForCausalLM` alike). Each refusal is an `InvalidInputError` that says what to pass instead.
+
+Split from modeling.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from optimum_qnn.errors import InvalidInputError
+
+# What `from_pretrained(..., device="adb", **options)` hands to `optimum_qnn.device.PhoneModelForCausalLM`.
+PHONE_OPTIONS = frozenset({"runner", "qnn_sdk_root", "shared_buffer"})
+
+
+def check_selection(**values: Any) -> None:
+    """soc, quant and revision are strings, context_len an integer > 0 (None: any); a wrong type would otherwise
+    fail deep in the index lookup or the Hub client."""
+    for name in ("soc", "quant", "revision"):
+        value = values[name]
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            example = {"soc": "'SM8650'", "quant": "'16a8w'", "revision": "'main' or a commit"}[name]
+            raise InvalidInputError(f"{name} must be a non-empty string such as {example} (or None); got {value!r}")
+    context_len = values["context_len"]
+    if context_len is not None and (isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1):
+        raise InvalidInputError(f"context_len must be a positive integer such as 1024 (or None); got {context_len!r}")
+
+
+def prompt_ids(input_ids) -> torch.Tensor:
+    """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InvalidInputError(
+            f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
+        ) from None
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InvalidInputError(
+            f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
+            "or convert with .long() if the values are whole)"
+        )
+    if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
+        raise InvalidInputError(
+            f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
+            "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
+        )
+    ids = ids.reshape(-1).long()
+    if ids.numel() == 0:
+        raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
+    return ids  # the range of the ids is checked by the session, for every call
+
+
+def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator) -> None:
+    """The arguments of `generate` besides the prompt, checked before the first token (host and phone alike)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+    check_sampling(do_sample, temperature, top_k, top_p)
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+
+
+def eos_ids(eos_token_id, *, default: Sequence[int]) -> set[int]:
+    """`generate`'s ``eos_token_id`` as a set of ids: None means ``default`` (the manifest's)."""
+    if eos_token_id is None:
+        return set(default)
+    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+        return {eos_token_id}
+    if isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
+        return set(eos_token_id)
+    raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
+
+
+def check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:
+    """Sampling arguments as Hugging Face's generate accepts them, checked before the first token."""
+    if not isinstance(do_sample, bool):
+        raise InvalidInputError(f"do_sample must be True or False; got {do_sample!r}")
+    if not do_sample:
+        return
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise InvalidInputError(f"temperature must be a finite number > 0 when sampling; got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise InvalidInputError(f"top_k must be an integer >= 0 (0 or None: no top-k filter); got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1
+    ):
+        raise InvalidInputError(f"top_p must be in (0, 1] (1 or None: no nucleus filter); got {top_p!r}")
