@@ -13,7 +13,6 @@ Run with `make demo` (or `python examples/demo.py [--quant fp16] [--out DIR]`).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
@@ -24,8 +23,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import tiny_gemma4  # noqa: E402
-
 PROMPT = "The for statement is used to"
 
 
@@ -34,45 +31,59 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE.parent / "out" / "demo")
     parser.add_argument("--quant", default="16a8w", help="quant scheme (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every stage and show what the libraries print")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
 
-    from transformers import AutoTokenizer
+    # The commands' console control: without -v, what the libraries print (their warnings, the QNN runtime's
+    # "[INFO] [Qnn ExecuTorch]" lines) is held back.
+    from optimum_qnn.console import configure_logging, third_party_quiet
 
-    from optimum_qnn import StaticCausalLM
-    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.exporter.pipeline import export
-    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
-    from optimum_qnn.models.gemma4.loading import load_text_model
-
+    configure_logging(args.verbose)
     print("== 1/3 building the demo Gemma4 (cached after the first run)")
-    model_dir = tiny_gemma4.build(args.out / "model")
+    with third_party_quiet(args.verbose, keep_stdout=True):
+        import tiny_gemma4  # transformers' Gemma4 imports torchao, which prints as it loads
+
+        model_dir = tiny_gemma4.build(args.out / "model")
 
     print(f"== 2/3 exporting to QNN: SM8650, hybrid, {args.quant}")
-    calib = args.out / "calibration.txt"
-    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
-    config = ExportConfig(
-        socs=(Soc.SM8650,),
-        quant=QuantScheme.parse(args.quant),
-        mode=ExportMode.HYBRID,
-        shapes=ShapeConfig(max_seq_len=128, prefill_ar_len=16),
-        # 8-bit tables, one group per row, with zero points: per row, a zero point costs 4 bytes in 2 KB, and on this
-        # model it keeps 26 of 32 greedy tokens against 17 for the symmetric form (logits 48.1 against 47.4 dB).
-        embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
-        weight_sharing=False,  # the x86 emulator cannot load weight-shared contexts
-    )
-    from optimum_qnn.quantization.calibration import CalibrationSource
+    with third_party_quiet(args.verbose):
+        from optimum_qnn.quantization.calibration import CalibrationSource
+        from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+        from optimum_qnn.exporter.pipeline import export
 
-    t0 = time.time()
-    result = export(model_dir, args.out / "artifact", config, calibration=CalibrationSource(file=calib, limit=16))
+        calib = args.out / "calibration.txt"
+        calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
+        config = ExportConfig(
+            socs=(Soc.SM8650,),
+            quant=QuantScheme.parse(args.quant),
+            mode=ExportMode.HYBRID,
+            shapes=ShapeConfig(max_seq_len=128, prefill_ar_len=16),
+            # 8-bit tables, one group per row, with zero points: per row, a zero point costs 4 bytes in 2 KB, and on this
+            # model it keeps 26 of 32 greedy tokens against 17 for the symmetric form (logits 48.1 against 47.4 dB).
+            embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
+            weight_sharing=False,  # the x86 emulator cannot load weight-shared contexts
+        )
+        t0 = time.time()
+        result = export(model_dir, args.out / "artifact", config, calibration=CalibrationSource(file=calib, limit=16))
     print(result.stage_table())
     print(f"export took {time.time() - t0:.0f} s -> {result.variants[0]}")
 
     print("== 3/3 generating on the x86 HTP emulator")
+    with third_party_quiet(args.verbose, keep_stdout=True):
+        return _generate(model_dir, args.out / "artifact", config, args.max_new_tokens)
+
+
+def _generate(model_dir: Path, artifact: Path, config, max_new_tokens: int) -> int:
+    from transformers import AutoTokenizer
+
+    from optimum_qnn import StaticCausalLM
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
     tok = AutoTokenizer.from_pretrained(model_dir)
-    qnn = QNNModelForCausalLM.from_pretrained(args.out / "artifact", soc="SM8650", quant=config.quant_tag)
+    qnn = QNNModelForCausalLM.from_pretrained(artifact, soc="SM8650", quant=config.quant_tag)
     ids = torch.tensor([tok.bos_token_id] + tok(PROMPT)["input_ids"])
-    out = qnn.generate(ids, max_new_tokens=args.max_new_tokens)
+    out = qnn.generate(ids, max_new_tokens=max_new_tokens)
     s = qnn.stats
     print(f"\nprompt : {PROMPT!r}")
     print(f"output : {tok.decode(out[0, len(ids):], skip_special_tokens=True)!r}")

@@ -17,11 +17,21 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
         "doctor", help="show versions, the QNN libraries and ExecuTorch backend in use, and what this host can run"
     )
     parser.add_argument("path", nargs="?", help="an artifact folder: say which of its variants this host can run")
+    _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
-        from optimum_qnn.doctor import run_doctor
+        from optimum_qnn.console import configure_logging, third_party_quiet
+        from optimum_qnn.errors import OptimumQnnError
 
-        return run_doctor(args.path)
+        configure_logging(args.verbose)
+        try:
+            with third_party_quiet(args.verbose, keep_stdout=True):  # the report prints as it goes
+                from optimum_qnn.doctor import run_doctor
+
+                return run_doctor(args.path)
+        except OptimumQnnError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     parser.set_defaults(handler=handler)
 
@@ -40,26 +50,32 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", help="a .pte file, or a variant folder holding model.pte")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
         import json
         import os
         from pathlib import Path
 
+        from optimum_qnn.console import configure_logging, third_party_quiet
         from optimum_qnn.errors import OptimumQnnError
-        from optimum_qnn.artifacts.inspection import inspect_pte
 
+        configure_logging(args.verbose)
         path = Path(args.path) / "model.pte" if Path(args.path).is_dir() else Path(args.path)
-        stdout = os.dup(1)
-        os.dup2(2, 1)  # the QNN libraries print to the process's stdout: keep it for the report (--json stays JSON)
         try:
-            report = inspect_pte(path)
+            with third_party_quiet(args.verbose):
+                from optimum_qnn.artifacts.inspection import inspect_pte
+
+                stdout = os.dup(1)
+                os.dup2(2, 1)  # with -v the QNN libraries print to the process's stdout: keep it for the report
+                try:
+                    report = inspect_pte(path)
+                finally:
+                    os.dup2(stdout, 1)
+                    os.close(stdout)
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        finally:
-            os.dup2(stdout, 1)
-            os.close(stdout)
         print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
         return 0
 
@@ -88,8 +104,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                         "Snapdragon board or laptop, or x86 with the emulator), adb (the one phone connected) or "
                         "adb:SERIAL (default: %(default)s)")
     parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
+    _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
+        from optimum_qnn.console import configure_logging, third_party_quiet
         from optimum_qnn.errors import OptimumQnnError
 
         try:
@@ -97,23 +115,25 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         except ValueError:
             print(f"error: --prompt-ids takes integers separated by commas; got {args.prompt_ids!r}", file=sys.stderr)
             return 2
+        configure_logging(args.verbose)
         try:
-            from transformers import AutoTokenizer, TextStreamer
+            with third_party_quiet(args.verbose, keep_stdout=True):  # the text streams as it comes
+                from transformers import AutoTokenizer, TextStreamer
 
-            from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+                from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
-            options = {"runner": args.runner} if args.runner else {}
-            model = QNNModelForCausalLM.from_pretrained(
-                args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, revision=args.revision,
-                device=args.device, **options,
-            )
-            tokenizer = AutoTokenizer.from_pretrained(model.root)
-            streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-            if ids is None:
-                model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
-            else:
-                model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
-        except (OptimumQnnError, ValueError) as e:
+                options = {"runner": args.runner} if args.runner else {}
+                model = QNNModelForCausalLM.from_pretrained(
+                    args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, revision=args.revision,
+                    device=args.device, **options,
+                )
+                tokenizer = AutoTokenizer.from_pretrained(model.root)
+                streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+                if ids is None:
+                    model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
+                else:
+                    model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+        except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         s = model.stats
@@ -125,6 +145,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         return 0
 
     parser.set_defaults(handler=handler)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show what the libraries print (the QNN runtime's own log lines, their warnings)")
 
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run)

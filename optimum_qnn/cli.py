@@ -7,11 +7,8 @@ handlers, so `--help` is fast.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from optimum_qnn.config import (
@@ -28,6 +25,7 @@ from optimum_qnn.config import (
     WeightRounding,
     recipe_fields,
 )
+from optimum_qnn.console import configure_logging, third_party_quiet
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
 from optimum_qnn.exporter.memory import parse_max_memory
 
@@ -151,7 +149,7 @@ def _parse_override(text: str) -> tuple[str, QuantScheme]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    _configure_logging(args.verbose)
+    configure_logging(args.verbose)
     try:
         config = config_from_args(args)
         if args.push_to_hub is not None:
@@ -206,106 +204,3 @@ def _check_repo_id(repo_id: str) -> None:
         raise InvalidInputError(
             f"--push-to-hub {repo_id!r} is not a Hub repo id; expected 'user/name' (letters, digits, '-', '_', '.')"
         )
-
-
-class _ConsoleFilter(logging.Filter):
-    """Without -v the console shows this project's records (warnings, and one line per finished stage) and only
-    errors of the libraries under it: their deprecation notices and load-time warnings are not the user's to fix."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name.startswith("optimum_qnn") or record.levelno >= logging.ERROR
-
-
-class _ConsoleFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        if record.name == "optimum_qnn.stages":
-            return record.getMessage()
-        return f"{record.levelname} {record.name}: {record.getMessage()}" + (
-            "\n" + self.formatException(record.exc_info) if record.exc_info else ""
-        )
-
-
-def _configure_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_ConsoleFormatter())
-    if not verbose:
-        handler.addFilter(_ConsoleFilter())
-    root = logging.getLogger()
-    for old in [h for h in root.handlers if getattr(h, "_optimum_qnn", False)]:
-        root.removeHandler(old)
-    handler._optimum_qnn = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
-    root.setLevel(logging.INFO if verbose else logging.WARNING)
-    logging.getLogger("optimum_qnn.stages").setLevel(logging.INFO)
-
-
-# Loggers that print through their own handlers (not the root's), so the console filter never sees them.
-# torch.utils._pytree: "register_constant() on Enum subclasses is deprecated", logged when torchao is imported.
-_OWN_HANDLER_LOGGERS = ("torch",)
-
-
-@contextlib.contextmanager
-def third_party_quiet(verbose: bool) -> Iterator[None]:
-    """Hide what the libraries under the exporter print while it runs, unless ``verbose``.
-
-    - Python warnings (FutureWarning/DeprecationWarning from torch, executorch, torchao) are ignored, except this
-      project's own;
-    - loggers with their own handlers (torch's) are held at ERROR;
-    - the process's stdout and stderr, at the file-descriptor level, go to a temporary file: ExecuTorch's quantizer
-      `print`s "No quant config is implemented for op ...", the QNN libraries print from C++ ("# LIBNATIVE: ...",
-      and the runtime's "[INFO] [Qnn ExecuTorch]: ..." lines when --evaluate runs the .pte). Python's
-      ``sys.stderr`` (the console log handler, progress bars) is pointed at a copy of the real stderr meanwhile, so
-      the project's own output still shows. If the export fails with anything but this project's errors, the
-      captured tail is echoed for the bug report.
-    """
-    if verbose:
-        yield
-        return
-    import gc
-    import tempfile
-    import warnings
-
-    import torch  # noqa: F401  (torch configures its loggers on import; hold them after that)
-
-    levels = {name: logging.getLogger(name).level for name in _OWN_HANDLER_LOGGERS}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    console = os.fdopen(os.dup(2), "w", buffering=1)
-    python_stderr = sys.stderr
-    handlers = [h for h in logging.getLogger().handlers if getattr(h, "stream", None) is python_stderr]
-    with tempfile.TemporaryFile(mode="w+b") as sink, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        warnings.filterwarnings("default", module=r"optimum_qnn(\.|$)")
-        for name in levels:
-            logging.getLogger(name).setLevel(logging.ERROR)
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        sys.stderr = console
-        for handler in handlers:
-            handler.setStream(console)
-        try:
-            yield
-        except (OptimumQnnError, KeyboardInterrupt):
-            raise
-        except BaseException:
-            sys.stdout.flush()
-            sink.seek(0)
-            tail = sink.read()[-5000:].decode(errors="replace")
-            if tail.strip():
-                console.write(f"(output of the libraries before the failure:)\n{tail}\n")
-            raise
-        finally:
-            gc.collect()  # what the libraries print when their objects are freed (QNN contexts) goes to the sink too
-            sys.stdout.flush()
-            console.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            sys.stderr = python_stderr
-            for handler in handlers:
-                handler.setStream(python_stderr)
-            console.close()
-            for name, level in levels.items():
-                logging.getLogger(name).setLevel(level)

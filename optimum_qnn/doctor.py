@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from optimum_qnn import __version__
+from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.program import is_emulator_host
 from optimum_qnn.sdk import (
     QnnSdk,
@@ -101,8 +102,16 @@ def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -
     return verdicts
 
 
-def run_doctor(path: Path | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Print the diagnosis; return the process exit code (0: QNN usable, 1: not)."""
+def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Print the diagnosis (to ``out`` and ``err``, by default ``sys.stdout`` and ``sys.stderr`` as they are when
+    called); return the process exit code (0: QNN usable, 1: not).
+
+    Raises:
+        InvalidInputError: ``path`` is not a folder.
+    """
+    out, err = out or sys.stdout, err or sys.stderr
+    if path is not None and not Path(path).is_dir():
+        raise InvalidInputError(f"No such folder: {path}; pass an artifact folder (the --output of an export), or no path")
     machine, system = platform.machine(), platform.system()
     print(f"optimum-qnn {__version__}", file=out)
     versions = [("python", f"{platform.python_version()} ({machine}, {system})")]

@@ -1,18 +1,35 @@
-"""Keep what the QNN compiler's C++ libraries print off the terminal, and show it when lowering fails (split from
-lowering.py)."""
+"""Keep what the QNN libraries print from C++ off the terminal: the compiler's output while lowering (shown when
+lowering fails), and the runtime's `[INFO] [Qnn ExecuTorch]: ...` lines when a program is loaded and freed.
+
+Why at the file-descriptor level: ExecuTorch 1.5.1's QNN backend prints those lines with `fprintf(stderr, ...)`
+whatever the log level (its `Log()` has no level check: a .pte compiled with log level 1, errors only, still prints a
+dozen INFO lines per load), and its runtime log-level option (`qnn_runtime_log_level`) cannot be set from Python:
+the pybindings take no backend options. So the lines are caught where they are written.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import sys
 import tempfile
 from collections.abc import Iterator
 
+# The logger whose level shows the QNN libraries' own output: enabled for DEBUG (the commands' -v sets it, as does a
+# root logger at DEBUG), what they print goes through untouched; otherwise it is held back.
+NATIVE_LOGGER = "optimum_qnn.native"
+
 
 class _NativeLog:
     text: str = ""
+
+
+def native_output_shown() -> bool:
+    """Whether the QNN libraries' own output goes to the terminal (see `NATIVE_LOGGER`)."""
+    return logging.getLogger(NATIVE_LOGGER).isEnabledFor(logging.DEBUG)
 
 
 @contextlib.contextmanager
@@ -22,25 +39,45 @@ def quiet_native_output() -> Iterator[_NativeLog]:
 
     Python loggers of executorch are held at WARNING meanwhile (it configures INFO logging of every partitioned op).
     """
-    log = _NativeLog()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
     root = logging.getLogger()
     level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        with _captured_fds(tail=20000) as log:
+            yield log
+    finally:
+        root.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_runtime() -> Iterator[None]:
+    """Hold back what the QNN runtime prints while a program is loaded or freed, unless `native_output_shown()`.
+    If the block fails, what was held back is written to stderr: QNN's error lines say why."""
+    if native_output_shown():
+        yield
+        return
+    with _captured_fds(tail=5000):
+        yield
+
+
+@contextlib.contextmanager
+def _captured_fds(tail: int) -> Iterator[_NativeLog]:
+    """Point the process's stdout and stderr (file descriptors 1 and 2) at a temporary file within the block; on a
+    failure, write the last ``tail`` bytes of it to the real stderr."""
+    log = _NativeLog()
+    flush_output()
+    saved = os.dup(1), os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as sink:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
-        root.setLevel(max(level, logging.WARNING))
         try:
             yield log
         except BaseException:
             _restore(saved)
             sink.seek(0)
-            sys.stderr.write(sink.read()[-20000:].decode(errors="replace"))
+            sys.stderr.write(sink.read()[-tail:].decode(errors="replace"))
             raise
         finally:
-            root.setLevel(level)
             _restore(saved)
             os.close(saved[0])
             os.close(saved[1])
@@ -48,8 +85,25 @@ def quiet_native_output() -> Iterator[_NativeLog]:
         log.text = sink.read().decode(errors="replace")
 
 
-def _restore(saved: tuple[int, int]) -> None:
+def flush_output() -> None:
+    """Flush Python's and C's buffered stdout/stderr, so what was written before a redirection lands before it, and
+    what was written within it, within it (C's stdout is block-buffered when it is not a terminal)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    libc = _libc()
+    if libc is not None:
+        libc.fflush(None)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)  # the C library this process runs on (POSIX)
+    except (OSError, TypeError):  # Windows: no process-wide C library handle
+        return None
+
+
+def _restore(saved: tuple[int, int]) -> None:
+    flush_output()
     os.dup2(saved[0], 1)
     os.dup2(saved[1], 2)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.native_output import quiet_runtime
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -61,9 +62,16 @@ class LoadedProgram:
     _live_lock = threading.Lock()
 
     def __init__(self, program: Any, method_names: Sequence[str]):
-        self.program = program  # the methods reference their program's memory: keep it alive with them
         self.methods = {name: program.load_method(name) for name in method_names}
+        self._held = [program]  # the methods reference their program's memory: keep it alive with them
         self.lock = threading.Lock()
+        # Freed with the last model that uses it (or at exit), the methods first, with what the QNN runtime prints
+        # as it destroys its contexts held back. Only the finalizer may hold the program besides `_held`.
+        weakref.finalize(self, _release, self.methods, self._held)
+
+    @property
+    def program(self) -> Any:
+        return self._held[0]
 
     @classmethod
     def get(cls, path: Path, facts: "ProgramFacts") -> "LoadedProgram":
@@ -71,7 +79,8 @@ class LoadedProgram:
         with cls._live_lock:
             loaded = cls._live.get(facts.sha256)
             if loaded is None:
-                loaded = cls(load_program(path, facts), facts.method_names)
+                with quiet_runtime():  # the QNN backend prints a dozen INFO lines as it opens the program's contexts
+                    loaded = cls(load_program(path, facts), facts.method_names)
                 cls._live[facts.sha256] = loaded
             return loaded
 
@@ -79,6 +88,12 @@ class LoadedProgram:
     def live_count(cls) -> int:
         """Programs loaded in this process and still used by a model."""
         return len(cls._live)
+
+
+def _release(methods: dict[str, Any], held: list[Any]) -> None:
+    with quiet_runtime():
+        methods.clear()
+        held.clear()
 
 
 class ExecClock:
@@ -95,14 +110,15 @@ class TimedMethod:
     """
 
     def __init__(self, loaded: LoadedProgram, name: str, clock: ExecClock):
-        self.loaded, self.method, self.clock = loaded, loaded.methods[name], clock
+        # The method is looked up per call, never held here: the program's finalizer must be able to free it.
+        self.loaded, self.name, self.clock = loaded, name, clock
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
         args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
         with self.loaded.lock:
             t0 = time.perf_counter()
-            out = self.method.execute(args)
+            out = self.loaded.methods[self.name].execute(args)
             self.clock.total += time.perf_counter() - t0
         return out
 

@@ -186,6 +186,26 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     assert "Lowering for SM8650: 2/2 shards done" in proc.stderr  # the bar followed the two shards' compilation
 
 
+def test_cli_export_log_is_a_line_per_stage_step_and_shard(cli_16a8w_export):
+    """The export's stderr is a pipe here, as a log file is (CI, nohup): progress is one line per stage, per lowering
+    step and per shard, with elapsed time and RSS, never a redraw. Redrawn every second, this export wrote 121 lines
+    (each carriage return is a line break here, as in a log viewer: text mode reads them as newlines); a full-size
+    Gemma-4-E2B export, over 1,000."""
+    _, proc = cli_16a8w_export
+    lines = proc.stderr.splitlines()
+    stages = [line for line in lines if re.fullmatch(r"\[[\w ]+\] done in \d+\.\d s, peak RSS \d+ MB", line)]
+    lowering = [line for line in lines if line.startswith("Lowering for SM8650: ")]
+    memory = [line for line in lines if line.startswith("Memory: ")]
+    assert len(stages) >= 9 and len(memory) == 1, proc.stderr  # load ... write SM8650
+    assert len(lines) == len(stages) + len(lowering) + len(memory), proc.stderr  # nothing else, not a blank line
+    assert all(re.search(r" \[\d\d:\d\d, RSS \d+\.\d GB\]$", line) for line in lowering), lowering
+    # Steps: re-export, QNN's export passes, serialization, and per method (2): edge dialect, edge passes,
+    # partitioning; the shards (2): the first one prepared and each one compiled; the end.
+    assert len(lowering) <= 3 + 3 * 2 + (1 + 2) + 1, lowering
+    assert any("converting prefill_forward to the edge dialect" in line for line in lowering), lowering
+    assert len(lines) <= 30
+
+
 def test_one_export_per_soc(random_kv_export):
     """--soc with several SoCs: loaded and exported once, lowered per SoC; each binary names its SoC."""
     from optimum_qnn.artifacts.inspection.pte import qnn_delegates

@@ -208,19 +208,14 @@ def test_stage_peak_includes_the_workers_memory(tmp_path):
 
 @needs_fork
 def test_progress_bar_counts_compiled_shards_and_console_stays_quiet(caplog):
-    """The lowering bar advances per compiled shard; the lines reach the bar only, not the root's handlers (the
+    """The lowering's progress advances per compiled shard; the lines reach it only, not the root's handlers (the
     CLI's console handler shows every optimum_qnn record)."""
-    import io
-
-    from tqdm import tqdm
-
-    from optimum_qnn.exporter.pipeline import _ShardProgress
-    from optimum_qnn.exporter.parallel_compile import progress_lines_to
+    from optimum_qnn.progress import LoweringProgress, progress_lines_to
 
     caplog.set_level(logging.INFO)
-    bar = tqdm(desc="Lowering", total=None, file=io.StringIO())
+    bar = LoweringProgress("Lowering")
     counts = []
-    with progress_lines_to(_ShardProgress(bar)):
+    with progress_lines_to(bar):
         pool, binaries = _WorkerPool(workers=2, shards=3), [b""] * 3
         try:
             for shard in range(3):

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.metrics import sqnr_db  # noqa: F401  (part of this module's API)
+from optimum_qnn.progress import bar
 from optimum_qnn.session import KVSession
 
 DEFAULT_MAX_TOKENS = 2048
@@ -56,7 +56,7 @@ def score(reference: KVSession, exported: KVSession, texts: list[torch.Tensor], 
     nll_ref = nll_exp = 0.0
     agree = tokens = 0
     refs, gots = [], []
-    for ids in tqdm(texts, desc="Evaluating", unit="window", disable=not progress):
+    for ids in bar(texts, "Evaluating", "window", enabled=progress):
         reference.reset()
         exported.reset()
         ref = reference.feed(ids).float()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import re
 import shutil
@@ -35,6 +36,7 @@ from optimum_qnn.config import Soc
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
 from optimum_qnn.native_output import quiet_native_output
 from optimum_qnn.exporter.parallel_compile import default_workers, parallel_shard_compiles
+from optimum_qnn.progress import report_step
 from optimum_qnn.sdk import ensure_qnn_sdk
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -223,6 +225,7 @@ def lower_to_pte(
     )
     logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
     with quiet_native_output() as native_log:
+        report_step("re-exporting the graphs")
         exported = {name: _export_method(name, source) for name, source in programs.items()}
         edge = _to_edge_and_lower(
             exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
@@ -244,6 +247,7 @@ def lower_to_pte(
             # or is a constant. Cannot override the existing data pointer."); the Python runtime allocates them.
             memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
         )
+        report_step("serializing the program")
         executorch_program = edge.to_executorch(config)
         del edge
         if path is None:
@@ -324,7 +328,6 @@ def _to_edge_and_lower(
     """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
     export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
     from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
     from executorch.backends.qualcomm.utils.utils import (
         flatbuffer_to_option,
@@ -336,6 +339,7 @@ def _to_edge_and_lower(
     backend_type = flatbuffer_to_option(generate_qnn_executorch_option(spec)).backend_options.backend_type
     skip_ops = {*skip_ops, SHARD_OP} if shard_starts else set(skip_ops)
     aten, transform_passes, partitioners, taggers = {}, {}, {}, {}
+    report_step("running QNN's export passes")
     for name, program in exported.items():
         tagger = None
         if name in quantized_io:
@@ -345,7 +349,8 @@ def _to_edge_and_lower(
         manager = get_qnn_pass_manager_cls(backend_type)()
         # Before edge conversion: these passes add constants that lift_constant_tensor_pass must lift.
         aten[name] = manager.transform_for_export_pipeline(program)
-        transform_passes[name] = manager.get_to_edge_transform_passes(
+        transform_passes[name] = [_reporting_pass(f"running QNN's edge passes on {name}")]
+        transform_passes[name] += manager.get_to_edge_transform_passes(
             program,
             passes_job=passes_job,
             dep_table=dep_table,
@@ -355,7 +360,7 @@ def _to_edge_and_lower(
             # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
             convert_linear_to_conv2d=True,
         )
-        partitioners[name] = [QnnPartitioner(spec, skip_node_op_set=skip_ops)]
+        partitioners[name] = [_reporting_partitioner()(spec, skip_node_op_set=skip_ops, method=name)]
     with (
         QnnManagerContext({name: spec for name in exported}),
         _preprocess_copies_share_weights(),
@@ -371,6 +376,41 @@ def _to_edge_and_lower(
     for name, tagger in taggers.items():
         tagger.check(name)
     return edge
+
+
+def _reporting_pass(step: str):
+    """A first edge pass that only reports the step to the export's progress (the edge passes of a method take
+    minutes at Gemma-4-E2B's size)."""
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    def report(graph_module: torch.fx.GraphModule) -> PassResult:
+        report_step(step)
+        return PassResult(graph_module, False)
+
+    return report
+
+
+@functools.cache
+def _reporting_partitioner() -> type:
+    """ExecuTorch's `QnnPartitioner`, reporting to the export's progress when a method's edge conversion starts (the
+    hook EXIR calls first, once per method: ExecuTorch's decompositions then take most of a lowering's Python time)
+    and when its partitioning does."""
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+
+    class ReportingQnnPartitioner(QnnPartitioner):
+        def __init__(self, *args, method: str, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.method = method
+
+        def transform_for_pre_decomposition(self, exported_program):
+            report_step(f"converting {self.method} to the edge dialect")
+            return super().transform_for_pre_decomposition(exported_program)
+
+        def partition(self, edge_program):
+            report_step(f"partitioning {self.method}")
+            return super().partition(edge_program)
+
+    return ReportingQnnPartitioner
 
 
 class _QuantIoTagger:

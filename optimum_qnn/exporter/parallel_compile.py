@@ -41,11 +41,10 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from optimum_qnn.progress import COMPILED_MESSAGE, PREPARING_MESSAGE
+
 logger = logging.getLogger(__name__)
 
-# The progress lines (shard, shards): export's progress bar counts the compiled shards by them.
-PREPARING_MESSAGE = "Preparing shard %d/%d"
-COMPILED_MESSAGE = "Compiled shard %d/%d"
 # The compiler's working set per parameter of a shard, before a worker has measured it: memory.py's fit of the
 # E2B lowerings (6.6 bytes per parameter), rounded up.
 _DEFAULT_BYTES_PER_PARAM = 7.0
@@ -88,22 +87,6 @@ def workers_private_mb() -> float:
                 _private_cache[pid] = (now + max(_MIN_REFRESH_SECONDS, 20 * cost), kb)
         total += kb
     return total / 1024
-
-
-@contextlib.contextmanager
-def progress_lines_to(handler: logging.Handler) -> Iterator[None]:
-    """Within the block, this module's progress lines (`PREPARING_MESSAGE`, `COMPILED_MESSAGE`, INFO) go to
-    ``handler`` only: a progress bar, not the console handlers above, which show every optimum_qnn record."""
-    saved = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
-    logger.propagate = False
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
 
 
 def _private_kb(pid: int) -> int:
@@ -175,7 +158,7 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
     binaries: list[bytes | list[bytes]] = [b""] * shards
     try:
         for i in compile_order(shards):
-            logger.info(PREPARING_MESSAGE, i + 1, shards)
+            logger.info(PREPARING_MESSAGE, i + 1, shards)  # progress lines (optimum_qnn.progress)
             manager.InitContext(graph_names)
             wrappers, loaded = [], []
             try:

@@ -9,10 +9,8 @@ import functools
 import gc
 import logging
 import os
-import re
 import resource
 import shutil
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -21,7 +19,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from optimum_qnn.artifacts.writer import VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
 from optimum_qnn.quantization.calibration import CalibrationSource
@@ -31,7 +28,7 @@ from optimum_qnn.exporter.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.artifacts.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
-from optimum_qnn.exporter.parallel_compile import COMPILED_MESSAGE, PREPARING_MESSAGE, progress_lines_to, workers_private_mb
+from optimum_qnn.exporter.parallel_compile import workers_private_mb
 from optimum_qnn.exporter.preflight import (
     check_arguments,
     check_overrides_match,
@@ -40,6 +37,7 @@ from optimum_qnn.exporter.preflight import (
     read_texts,
     source_model_id,
 )
+from optimum_qnn.progress import lowering_progress
 
 logger = logging.getLogger(__name__)
 # One line per finished stage (time, memory): the CLI shows this logger without -v.
@@ -256,7 +254,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         # place), so its bytes are never joined in memory; the file goes with a failure.
         program_file = staging_path(output, ".pte")
         try:
-            with _stage(result, f"lower {soc.value}"), _progress(f"Lowering for {soc.value}"):
+            with _stage(result, f"lower {soc.value}"), lowering_progress(f"Lowering for {soc.value}", _rss_mb):
                 lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1, path=program_file)
                 result.delegation[soc.value] = format_delegation(lowered.delegation)
             with _stage(result, f"inspect {soc.value}"):
@@ -273,76 +271,6 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         finally:
             program_file.unlink(missing_ok=True)
     return result
-
-
-class _ShardProgress(logging.Handler):
-    """Advances the lowering bar from ExecuTorch's QNN preprocessing log, "Processing Method(j): (i/N)": it
-    compiles one context (shard) after the other, each holding every method's i-th partition. With compile
-    workers (`optimum_qnn.exporter.parallel_compile`), the bar counts the shards they finished instead."""
-
-    _PATTERN = re.compile(r"Processing Method\((\d+)\): \((\d+)/(\d+)\)")
-    _PREPARING, _COMPILED = (re.compile(m.replace("%d", r"(\d+)")) for m in (PREPARING_MESSAGE, COMPILED_MESSAGE))
-
-    def __init__(self, bar: tqdm) -> None:
-        super().__init__(logging.INFO)
-        self.bar = bar
-        self.desc = bar.desc
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if compiled := self._COMPILED.fullmatch(record.getMessage()):
-            self.bar.n, self.bar.total = map(int, compiled.groups())
-            self.bar.set_description_str(self.desc if self.bar.n == self.bar.total else self.bar.desc)
-        if preparing := self._PREPARING.fullmatch(record.getMessage()):
-            shard, self.bar.total = map(int, preparing.groups())
-            self.bar.set_description_str(f"{self.desc}, preparing shard {shard}")
-        match = self._PATTERN.search(record.getMessage())
-        if match:
-            method, shard, shards = map(int, match.groups())
-            self.bar.total = shards
-            self.bar.n = shard - 1  # shards finished
-            self.bar.set_description_str(f"{self.desc}, compiling shard {shard} (method {method + 1})")
-
-
-# The logger of ExecuTorch's QnnBackend preprocessing (executorch 1.5.1 backends/qualcomm/qnn_preprocess.py).
-_QNN_PREPROCESS_LOGGER = "executorch.backends.qualcomm.qnn_preprocess"
-
-
-@contextmanager
-def _progress(desc: str) -> Iterator[None]:
-    """A progress bar over the shards while the QNN compiler runs, ticking elapsed time and RSS every second.
-
-    It writes to its own copy of stderr's file: the lowering points the process's stdout/stderr at a log file
-    meanwhile (see `quiet_native_output`)."""
-    try:
-        stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")  # the file sys.stderr writes to, not always fd 2
-    except (OSError, ValueError):  # a stderr without a file descriptor (captured, e.g. by pytest): no bar
-        yield
-        return
-    bar = tqdm(desc=desc, total=None, file=stream, unit="shard", mininterval=1.0,
-               bar_format="{desc}: {n_fmt}/{total_fmt} shards done [{elapsed}{postfix}]")
-    shards = _ShardProgress(bar)
-    source = logging.getLogger(_QNN_PREPROCESS_LOGGER)
-    source.addHandler(shards)
-    done = threading.Event()
-
-    def tick() -> None:
-        while not done.wait(1.0):
-            bar.set_postfix_str(f"RSS {_rss_mb() / 1024:.1f} GB" if os.path.exists("/proc/self/statm") else "")
-
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
-    try:
-        with progress_lines_to(shards):
-            yield
-        if bar.total:
-            bar.n = bar.total
-            bar.set_description_str(desc)
-    finally:
-        done.set()
-        ticker.join()
-        source.removeHandler(shards)
-        bar.close()
-        stream.close()
 
 
 def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max_tokens: int, result: ExportResult):

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import ContextManager
 
 import torch
-from tqdm.auto import tqdm
 
 from optimum_qnn.quantization.calibration import token_sequences
 from optimum_qnn.config import ExportConfig, QuantScheme, WeightRanges, WeightRounding
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
+from optimum_qnn.progress import bar
 from optimum_qnn.session import KVSession
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def _feed(session: KVSession, method: str, seqs: list[list[int]], desc: str | No
     spec = session.contract.method(method)
     logits = []
     with row_gather_lookups():
-        for seq in tqdm(seqs, desc=desc, unit="sample", disable=desc is None):
+        for seq in bar(seqs, desc, "sample", enabled=desc is not None):
             session.reset()
             ids = torch.tensor(seq)
             # Whole calls of the method, so padding rows do not dilute the statistics; a sample shorter than one
@@ -139,7 +139,7 @@ def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate
         sensitivity = mixed_precision.probe_sensitivity(
             static.module, linears, lambda: torch.cat(_feed(_probe_session(static), calibrate_on, samples)),
             lambda linear: weight_search.block_of(linear, scheme_block),
-            progress=lambda steps: tqdm(steps, desc="Probing sensitivity", unit="probe"),
+            progress=lambda steps: bar(steps, "Probing sensitivity", "probe"),
         )
         plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget)
         logger.info("%s", plan.table())
@@ -151,7 +151,7 @@ def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate
         rows = weight_search.input_rows(searched, lambda: _feed(session, calibrate_on, samples))
         clips = {
             n: weight_search.output_mse_clips(m, rows.pop(n), weight_search.block_of(m, scheme_block))
-            for n, m in tqdm(searched.items(), desc="Searching 4-bit ranges", unit="linear")
+            for n, m in bar(searched.items(), "Searching 4-bit ranges", "linear")
         }
     if config.weight_rounding is WeightRounding.GPTQ:
         hessians = weight_search.input_hessians(searched, lambda: _feed(session, calibrate_on, seqs))

@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from optimum_qnn.errors import InvalidInputError
+
+# What `from_pretrained(..., device="runner" | "adb", **options)` hands to `backends.runner.RunnerBackend`.
+RUNNER_OPTIONS = frozenset({"runner", "qnn_sdk_root", "shared_buffer"})
+
+
+def check_selection(**values: Any) -> None:
+    """soc, quant and revision are strings, context_len an integer > 0 (None: any); a wrong type would otherwise
+    fail deep in the index lookup or the Hub client."""
+    for name in ("soc", "quant", "revision"):
+        value = values[name]
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            example = {"soc": "'SM8650'", "quant": "'16a8w'", "revision": "'main' or a commit"}[name]
+            raise InvalidInputError(f"{name} must be a non-empty string such as {example} (or None); got {value!r}")
+    context_len = values["context_len"]
+    if context_len is not None and (isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1):
+        raise InvalidInputError(f"context_len must be a positive integer such as 1024 (or None); got {context_len!r}")
 
 
 @dataclass

@@ -24,7 +24,9 @@ from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.runtime.backends.device import DeviceSpec
-from optimum_qnn.runtime.generation import GenerationStats, Sampling, check_generate_args, prompt_ids
+from optimum_qnn.runtime.generation import (
+    RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, prompt_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +93,17 @@ class QNNModelForCausalLM:
         """
         if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
             raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
+        check_selection(soc=soc, quant=quant, context_len=context_len, revision=revision)
         spec = DeviceSpec.parse(device)  # a bad name fails before any download
         if spec.kind == "host" and device_options:
             raise InvalidInputError(
                 f"{', '.join(sorted(device_options))}: options of device='runner' or 'adb', not of the host"
+            )
+        unknown = sorted(set(device_options) - RUNNER_OPTIONS)
+        if unknown:
+            raise InvalidInputError(
+                f"Unknown option(s) of device={device!r}: {', '.join(unknown)}; expected some of: "
+                f"{', '.join(sorted(RUNNER_OPTIONS))}"
             )
         from optimum_qnn.artifacts.hub import check_folder_or_repo_id
 
@@ -168,6 +177,11 @@ class QNNModelForCausalLM:
                 f"tokenizer must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained(folder)); got {type(tokenizer).__name__}"
             )
         if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise InvalidInputError(
+                    "chat=True needs a tokenizer with a chat template, and this one has none: pass chat=False "
+                    "(without --chat) or a tokenizer whose tokenizer_config.json has a chat_template"
+                )
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
             if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
                 ids = ids["input_ids"]

@@ -6,8 +6,10 @@ import logging
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions
 from optimum_qnn.session import KVSession
 from optimum_qnn.swap import SWAPS, SwapError, SwapReport, apply_swaps
@@ -50,10 +52,24 @@ class StaticCausalLM:
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
         """
+        if not isinstance(getattr(hf_model, "config", None), PretrainedConfig):
+            raise InvalidInputError(
+                f"hf_model must be a Hugging Face Gemma4 model (load_text_model(folder) or Gemma4ForCausalLM."
+                f"from_pretrained); got {type(hf_model).__name__}"
+            )
         text_config = hf_model.config.get_text_config()
         max_pos = text_config.max_position_embeddings
+        if isinstance(max_context_len, bool) or not isinstance(max_context_len, int) or max_context_len < 2:
+            raise InvalidInputError(f"max_context_len must be an integer >= 2, e.g. 1024; got {max_context_len!r}")
         if max_context_len > max_pos:
-            raise ValueError(f"max_context_len {max_context_len} exceeds the model's max_position_embeddings {max_pos}")
+            raise InvalidInputError(
+                f"max_context_len {max_context_len} exceeds the model's max_position_embeddings {max_pos}; choose at most {max_pos}"
+            )
+        if ar_len is not None and (isinstance(ar_len, bool) or not isinstance(ar_len, int) or not 1 <= ar_len < max_context_len):
+            raise InvalidInputError(
+                f"ar_len must be an integer in [1, {max_context_len - 1}] (below max_context_len), or None for decode "
+                f"only; got {ar_len!r}"
+            )
         ar_lens = {DECODE_METHOD: 1}
         if ar_len is not None and ar_len > 1:
             ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: 1}

@@ -112,7 +112,10 @@ class RunnerBackend:
         self.hybrid = any(m.name == PREFILL_METHOD for m in self.contract.methods)
         spec = DeviceSpec.parse(device)
         if spec.kind == "host":
-            raise DeviceError("device='host' runs ExecuTorch's Python runtime, not the runner backend")
+            raise InvalidInputError(
+                "RunnerBackend runs on device 'runner', 'adb' or 'adb:SERIAL', not 'host'; for ExecuTorch's Python "
+                "runtime use QNNModelForCausalLM.from_pretrained(..., device='host')"
+            )
         self.transport = transport or make_transport(spec, qnn_sdk_root)
         self.shared_buffer = self.transport.shared_buffer_default if shared_buffer is None else shared_buffer
         self.variant_dir = self.variant.relative_to(self.root).as_posix().replace("/", "_")

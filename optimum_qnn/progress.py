@@ -1,0 +1,204 @@
+"""Progress of the export's long stages, as a terminal shows it or as a log file keeps it (split from export.py).
+
+In a terminal (stderr is a tty) bars redraw in place: tqdm's over calibration samples, sensitivity probes and
+evaluation windows, and the lowering's line, which names the step that runs (ExecuTorch's own passes run for
+minutes before the first shard compiles at Gemma-4-E2B's size: 12 on a slow 2-core machine) and counts the shards
+compiled, its elapsed time and RSS ticking every second.
+
+When stderr is a file or a pipe (CI, ``nohup``, a job scheduler) nothing redraws: the per-item bars are off (each
+stage ends with its own line, with wall time and peak RSS: `optimum_qnn.exporter.pipeline`) and the lowering writes one line
+per step and per compiled shard, each with elapsed time and RSS. Redrawn once a second into a log, the lowering bar
+alone wrote over 1,000 lines for a full-size Gemma-4-E2B export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TextIO
+
+# The records the lowering's progress reads (INFO): the lowering's steps (`report_step`, on this logger), and the
+# shards that the compile workers prepare and finish, as (shard, shards), on optimum_qnn.exporter.parallel_compile's logger.
+progress_logger = logging.getLogger("optimum_qnn.progress")
+_PROGRESS_LOGGERS = (progress_logger.name, "optimum_qnn.exporter.parallel_compile")
+STEP_MESSAGE = "Lowering step: %s"
+PREPARING_MESSAGE = "Preparing shard %d/%d"
+COMPILED_MESSAGE = "Compiled shard %d/%d"
+# Without workers, ExecuTorch's QnnBackend compiles the shards one after the other and logs "Processing Method(j):
+# (i/N)" as it builds each method's i-th partition (executorch 1.5.1 backends/qualcomm/qnn_preprocess.py).
+QNN_PREPROCESS_LOGGER = "executorch.backends.qualcomm.qnn_preprocess"
+
+
+def report_step(what: str) -> None:
+    """Say which step of the lowering starts, e.g. ``"converting to the edge dialect"``."""
+    progress_logger.info(STEP_MESSAGE, what)
+
+
+def bar(iterable: Iterable, desc: str, unit: str, *, enabled: bool = True) -> Iterable:
+    """``iterable`` with a tqdm bar on stderr when it is a terminal; as it is otherwise (or when not ``enabled``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, unit=unit, disable=None if enabled else True)  # None: off unless a tty
+
+
+@contextlib.contextmanager
+def progress_lines_to(handler: logging.Handler) -> Iterator[None]:
+    """Within the block, the records of the progress loggers (INFO and up) go to ``handler`` only: a progress
+    display, not the console handlers above, which show every optimum_qnn record."""
+    loggers = [logging.getLogger(name) for name in _PROGRESS_LOGGERS]
+    saved = [(source.level, source.propagate) for source in loggers]
+    for source in loggers:
+        source.addHandler(handler)
+        source.setLevel(min(source.getEffectiveLevel(), logging.INFO))
+        source.propagate = False
+    try:
+        yield
+    finally:
+        for source, (level, propagate) in zip(loggers, saved):
+            source.removeHandler(handler)
+            source.setLevel(level)
+            source.propagate = propagate
+
+
+class LoweringProgress(logging.Handler):
+    """Where a lowering is, read from the records above: the step that runs, what happens to a shard (prepared,
+    compiled), and how many shards of how many are done. Each change goes to ``view`` (`update(self)`)."""
+
+    _STEP = re.compile(re.escape(STEP_MESSAGE).replace("%s", "(.+)"))
+    _PREPARING, _COMPILED = (re.compile(m.replace("%d", r"(\d+)")) for m in (PREPARING_MESSAGE, COMPILED_MESSAGE))
+    _PROCESSING = re.compile(r"Processing Method\((\d+)\): \((\d+)/(\d+)\)")
+
+    def __init__(self, desc: str, view=None) -> None:
+        super().__init__(logging.INFO)
+        self.desc, self.view = desc, view
+        self.step = ""  # e.g. "partitioning kv_forward"
+        self.activity = ""  # e.g. "compiling shard 2 (method 1)"
+        self.n, self.total = 0, None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if step := self._STEP.fullmatch(message):
+            if self.total:  # a step after the shards: they are all compiled
+                self.n = self.total
+            self.step, self.activity = step.group(1), ""
+        elif not self._shard_record(message):
+            return
+        self._show()
+
+    def _shard_record(self, message: str) -> bool:
+        if compiled := self._COMPILED.fullmatch(message):
+            self.n, self.total = map(int, compiled.groups())
+            if self.n == self.total:
+                self.activity = ""
+        elif preparing := self._PREPARING.fullmatch(message):
+            shard, self.total = map(int, preparing.groups())
+            self.activity = f"preparing shard {shard}"
+        elif processing := self._PROCESSING.search(message):
+            method, shard, self.total = map(int, processing.groups())
+            self.n = shard - 1  # shards finished
+            self.activity = f"compiling shard {shard} (method {method + 1})"
+        else:
+            return False
+        self.step = ""  # compiling the shards is the step now
+        return True
+
+    def finish(self) -> None:
+        """The lowering returned: every shard is done."""
+        if self.total:
+            self.n = self.total
+        self.step = self.activity = ""
+        self._show()
+
+    def line(self) -> str:
+        """E.g. ``Lowering for SM8650: converting to the edge dialect`` or ``...: 1/7 shards done, preparing shard 3``."""
+        parts = [f"{self.n}/{self.total} shards done"] if self.total else []
+        if self.activity or self.step:
+            parts.append(self.activity or self.step)
+        return f"{self.desc}: {', '.join(parts)}" if parts else self.desc
+
+    def _show(self) -> None:
+        if self.view is not None:
+            self.view.update(self)
+
+
+class _TerminalView:
+    """The lowering's line, redrawn in place; elapsed time and RSS tick every second."""
+
+    def __init__(self, stream: TextIO, desc: str, rss_mb: Callable[[], float] | None) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(desc=desc, total=None, file=stream, mininterval=1.0, bar_format="{desc} [{elapsed}{postfix}]")
+        self._done = threading.Event()
+
+        def tick() -> None:
+            while not self._done.wait(1.0):
+                self.bar.set_postfix_str(f"RSS {rss_mb() / 1024:.1f} GB" if rss_mb else "")
+
+        self._ticker = threading.Thread(target=tick, daemon=True)
+        self._ticker.start()
+
+    def update(self, progress: LoweringProgress) -> None:
+        self.bar.set_description_str(progress.line())
+
+    def close(self) -> None:
+        self._done.set()
+        self._ticker.join()
+        self.bar.close()
+
+
+class _LogView:
+    """One line per step and per change of the shards done (not per method or worker within a shard), each with
+    elapsed time and RSS."""
+
+    def __init__(self, stream: TextIO, rss_mb: Callable[[], float] | None) -> None:
+        self.stream, self.rss_mb = stream, rss_mb
+        self.t0 = time.monotonic()
+        self.last: tuple | None = None
+
+    def update(self, progress: LoweringProgress) -> None:
+        key = progress.step, progress.n, progress.total
+        if key == self.last:
+            return
+        self.last = key
+        from tqdm import tqdm
+
+        stats = tqdm.format_interval(time.monotonic() - self.t0)
+        if self.rss_mb:
+            stats += f", RSS {self.rss_mb() / 1024:.1f} GB"
+        self.stream.write(f"{progress.line()} [{stats}]\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def lowering_progress(desc: str, rss_mb: Callable[[], float] | None = None) -> Iterator[LoweringProgress | None]:
+    """Show a lowering's progress on stderr while the block runs: a line redrawn in a terminal, one line per step
+    and shard in a log file (see the module's docstring). ``rss_mb`` gives the memory shown beside it.
+
+    It writes to its own copy of stderr's file: the lowering points the process's stdout/stderr at a log file
+    meanwhile (see `optimum_qnn.native_output.quiet_native_output`)."""
+    try:
+        stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")  # the file sys.stderr writes to, not always fd 2
+    except (OSError, ValueError):  # a stderr without a file descriptor (captured, e.g. by pytest): no display
+        yield None
+        return
+    view = _TerminalView(stream, desc, rss_mb) if stream.isatty() else _LogView(stream, rss_mb)
+    progress = LoweringProgress(desc, view)
+    preprocess = logging.getLogger(QNN_PREPROCESS_LOGGER)
+    preprocess.addHandler(progress)
+    try:
+        with progress_lines_to(progress):
+            yield progress
+        progress.finish()
+    finally:
+        preprocess.removeHandler(progress)
+        view.close()
+        stream.close()
