@@ -161,7 +161,8 @@ def _find_ort_qnn_dir() -> Path | None:
     return find_package_dir(ORT_QNN_PACKAGE)
 
 
-def _cache_home() -> Path:
+def cache_home() -> Path:
+    """optimum-qnn's per-user cache: ``$OPTIMUM_QNN_CACHE`` or ``~/.cache/optimum-qnn``."""
     override = os.environ.get(CACHE_ENV)
     return Path(override).expanduser() if override else Path.home() / ".cache" / "optimum-qnn"
 
@@ -174,7 +175,7 @@ def _link_cache_root(lib_source: Path, name: str, host_dir: str = X86_64_HOST_DI
     renamed into place, so concurrent processes never see a missing or half-made link. A link whose target is
     gone (a deleted environment) is replaced, here and, for other roots, removed (`_prune_stale_roots`).
     """
-    base = _cache_home() / "qnn-sdk"
+    base = cache_home() / "qnn-sdk"
     root = base / name
     link = root / "lib" / host_dir
     target = lib_source.resolve()

@@ -189,7 +189,7 @@ class AdbTransport:
 
     def connect(self) -> None:
         self.adb = Adb(self.serial_wanted)
-        self.name = self.device = f"adb:{self.adb.serial}"
+        self.name = f"adb:{self.adb.serial}"
 
     def _path(self, rel: str) -> str:
         return f"{self.workspace}/{rel}"

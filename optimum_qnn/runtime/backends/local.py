@@ -20,14 +20,9 @@ from pathlib import Path
 
 from optimum_qnn.program import is_emulator_host
 from optimum_qnn.runtime.backends.device import DeviceError
+from optimum_qnn.sdk.loading import cache_home
 
 WORKSPACE_ENV = "OPTIMUM_QNN_RUNNER_WORKSPACE"
-
-
-def _default_workspace() -> Path:
-    cache = os.environ.get("OPTIMUM_QNN_CACHE")
-    base = Path(cache).expanduser() if cache else Path.home() / ".cache" / "optimum-qnn"
-    return base / "runner-workspace"
 
 
 class LocalTransport:
@@ -47,24 +42,24 @@ class LocalTransport:
         self.shared_buffer_default = not is_emulator_host()
         env = os.environ.get(WORKSPACE_ENV)
         key = hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:8]
-        self.workspace = Path(workspace or env or _default_workspace() / key)
+        self.workspace = Path(workspace or env or cache_home() / "runner-workspace" / key)
         self.lib_dirs: list[Path] = []
         self.skel_dirs: list[Path] = []
 
     def qairt_libraries(self, htp_arch: int):
         """No files to place: the runner loads this machine's QNN libraries through LD_LIBRARY_PATH."""
-        from optimum_qnn.sdk import ensure_qnn_sdk, parse_build_id
+        from optimum_qnn.sdk import ensure_qnn_sdk
 
         if self.qnn_sdk_root is not None:
+            from optimum_qnn.runtime.backends.bundle import library_build_id
             from optimum_qnn.sdk.finding import find_host_lib_dir
 
             lib_dir = find_host_lib_dir(self.qnn_sdk_root, platform.machine(), platform.system())
             htp = lib_dir / "libQnnHtp.so"
-            build_id = parse_build_id(htp.read_bytes()) if htp.is_file() else ""
-            if not build_id:
-                raise DeviceError(f"{htp} is missing or carries no QAIRT build id; point qnn_sdk_root at a QAIRT SDK")
+            if not htp.is_file():
+                raise DeviceError(f"{htp} is missing; point qnn_sdk_root at a QAIRT SDK")
             self.lib_dirs = [lib_dir]
-            return [], build_id, str(htp)
+            return [], library_build_id(htp), str(htp)
         sdk = ensure_qnn_sdk()
         lib_dir = sdk.lib_dir.resolve()
         # onnxruntime-qnn's libraries load their private libc++ from the wheel's `.libs` folder beside them.
