@@ -147,12 +147,67 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handler)
 
 
+def _add_variant_args(parser: argparse.ArgumentParser) -> None:
+    """Which variant of which artifact, and where it runs (shared by chat and serve)."""
+    parser.add_argument("model", help="artifact folder or Hub repo id")
+    parser.add_argument("--soc", help="the variant's SoC, e.g. SM8650 (needed when the artifact has several)")
+    parser.add_argument("--quant", help="the variant's quant scheme, e.g. 16a8w (needed when several)")
+    parser.add_argument("--context-len", type=int, help="the variant's context length (when several)")
+    parser.add_argument("--revision", help="Hub revision")
+    parser.add_argument("--device", default="host",
+                        help="host (ExecuTorch's Python runtime here: the cache is kept between turns), runner "
+                        "(ExecuTorch's qnn_llama_runner here) or adb / adb:SERIAL (that runner on a phone); a runner "
+                        "reads the whole conversation again each turn (default: %(default)s)")
+    parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
+
+
+def _load_variant(args: argparse.Namespace):
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    options = {"runner": args.runner} if args.runner else {}
+    return QNNModelForCausalLM.from_pretrained(
+        args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, revision=args.revision,
+        device=args.device, **options,
+    )
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "chat", help="chat with an exported model in the terminal (the cache is kept between turns on the host)",
+        description="An interactive conversation with one variant: the reply is printed as it is generated. /reset "
+        "starts over, /exit or Ctrl-D quits, Ctrl-C stops the current reply and keeps the conversation.",
+    )
+    _add_variant_args(parser)
+    parser.add_argument("--system", help="a system prompt (kept when old turns are dropped to fit the context)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default: %(default)s)")
+    _add_verbose(parser)
+
+    def handler(args: argparse.Namespace) -> int:
+        from optimum_qnn.console import configure_logging, third_party_quiet
+        from optimum_qnn.errors import OptimumQnnError
+
+        configure_logging(args.verbose)
+        try:
+            with third_party_quiet(args.verbose):
+                model = _load_variant(args)
+                chat = model.chat(args.system, max_new_tokens=args.max_new_tokens)
+        except OptimumQnnError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        from optimum_qnn.runtime import repl
+
+        with third_party_quiet(args.verbose, keep_stdout=True):
+            return repl.run(chat, verbose=args.verbose)
+
+    parser.set_defaults(handler=handler)
+
+
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also show what the libraries print (the QNN runtime's own log lines, their warnings)")
 
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run, _add_chat)
 
 
 def build_parser() -> argparse.ArgumentParser:

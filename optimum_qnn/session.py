@@ -52,9 +52,23 @@ class KVSession:
         """Tokens that fit in one generation: cache slots plus the token of the last call."""
         return self.contract.context_len
 
+    @property
+    def stored(self) -> int:
+        """How many leading tokens of the context have their K/V in the cache slots (at most C - 1)."""
+        return min(self.n_past, self.contract.context_len - 1)
+
     def reset(self) -> None:
         # Stale slots are never read (their mask columns stay closed), so the buffers need no clearing.
         self.n_past = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the context and forget the rest: the next call writes from slot ``n``.
+
+        Anywhere is fine, also inside what one prefill call wrote: slots ``>= n`` become stale, and stale slots are
+        never read (the masks of the next call are built for ``n_past = n``)."""
+        if not 0 <= n <= self.stored:
+            raise ValueError(f"Cannot keep {n} tokens: the cache holds {self.stored}")
+        self.n_past = n
 
     def _inputs_of(self, spec) -> "_MethodInputs":
         buffers = self._method_inputs.get(spec.name)

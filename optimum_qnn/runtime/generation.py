@@ -37,6 +37,9 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     new_tokens: int = 0
+    reused_tokens: int = 0  # leading prompt tokens whose K/V the cache already held (``reuse_cache=True``)
+    prefilled_tokens: int = 0  # prompt tokens run through the model: prompt_tokens - reused_tokens
+    dropped_turns: int = 0  # a chat turn that did not fit: how many of the oldest turns were dropped (`runtime.chat`)
     time_to_first_token_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
@@ -83,8 +86,10 @@ def prompt_ids(input_ids) -> torch.Tensor:
     return ids  # the range of the ids is checked by the session, for every call
 
 
-def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator) -> None:
+def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator, cancel=None) -> None:
     """The arguments of `generate` besides the prompt, checked before the first token (host and phone alike)."""
+    if cancel is not None and not callable(cancel):
+        raise InvalidInputError(f"cancel must be a callable returning True to stop (or None); got {type(cancel).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise InvalidInputError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
     check_sampling(do_sample, temperature, top_k, top_p)
@@ -103,6 +108,16 @@ def eos_ids(eos_token_id, *, default: Sequence[int]) -> set[int]:
     if isinstance(eos_token_id, (list, tuple, set)) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos_token_id):
         return set(eos_token_id)
     raise InvalidInputError(f"eos_token_id must be an int, a list of ints or None; got {eos_token_id!r}")
+
+
+def common_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens ``held`` and ``prompt`` share."""
+    n = 0
+    for a, b in zip(held, prompt):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -27,6 +27,9 @@ from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
     RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, prompt_ids,
 )
+
+if TYPE_CHECKING:
+    from optimum_qnn.runtime.chat import ChatSession
 
 logger = logging.getLogger(__name__)
 
@@ -150,23 +153,54 @@ class QNNModelForCausalLM:
         eos_token_id: int | Sequence[int] | None = None,
         streamer: Any = None,
         generator: torch.Generator | None = None,
+        reuse_cache: bool = False,
+        cancel: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns ``[1, prompt + new]`` ids.
 
         Stops at an EOS id (default: the manifest's; the C++ runner also stops at its own end tokens), at
-        ``max_new_tokens``, or at the end of the context (``self.stats.stopped_by`` says which). ``streamer`` gets
-        ``put(tensor)`` per new token and ``end()`` (from a runner backend: when its process ends).
+        ``max_new_tokens``, at the end of the context, or when ``cancel()`` returns True (checked before each new
+        token; ``self.stats.stopped_by`` says which). ``streamer`` gets ``put(tensor)`` per new token and ``end()``
+        (from a runner backend: when its process ends).
+
+        ``reuse_cache=True``: the host backend keeps the K/V of the longest prefix of ``input_ids`` that its caches
+        hold from the previous call (a prompt plus its generated tokens) and prefills only the rest;
+        ``self.stats.reused_tokens`` says how many. A runner backend keeps nothing between calls.
         """
         prompt = prompt_ids(input_ids)
-        check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator)
+        check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator, cancel)
+        if not isinstance(reuse_cache, bool):
+            raise InvalidInputError(f"reuse_cache must be True or False; got {reuse_cache!r}")
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
-        new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer)
+        new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer,
+                                    reuse_cache=reuse_cache, cancel=cancel)
         if streamer is not None:
             if not getattr(self.backend, "streams", False):  # a runner gives its text when it exits
                 for token in new:
                     streamer.put(torch.tensor([token]))
             streamer.end()
         return torch.tensor(prompt.tolist() + new, dtype=torch.long).unsqueeze(0)
+
+    def chat(self, system: str | None = None, *, tokenizer: Any = None, **generation_defaults: Any) -> "ChatSession":
+        """Start a conversation (`runtime.chat.ChatSession`): ``send(text)`` returns each reply, and on the host backend
+        a turn prefills only its own tokens.
+
+        Args:
+            system: an optional system prompt (kept when the oldest turns are dropped to fit the context).
+            tokenizer: default: the artifact's own tokenizer files (with their chat template), read locally.
+            generation_defaults: `generate` options for every reply, e.g. ``max_new_tokens=128``.
+        """
+        from optimum_qnn.runtime.chat import ChatSession
+
+        if tokenizer is None:
+            tokenizer = self.tokenizer()
+        return ChatSession(self, tokenizer, system, **generation_defaults)
+
+    def tokenizer(self) -> Any:
+        """The artifact's tokenizer (``AutoTokenizer`` on the artifact folder's files; nothing is downloaded)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.root)
 
     def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
         """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""

@@ -1,5 +1,11 @@
 """The host backend: the .pte in ExecuTorch's Python runtime in this process (a Snapdragon host's HTP, or the x86
-HTP emulator), driven token by token through the runner contract (`session.KVSession`)."""
+HTP emulator), driven token by token through the runner contract (`session.KVSession`).
+
+The caches outlive a call: ``held`` lists the tokens whose K/V they hold, and a call with ``reuse_cache=True``
+whose prompt begins with some of them keeps those slots and prefills only the rest (a conversation's next turn, or
+a client that sends the whole history each time). The match may end anywhere, also inside what one prefill call
+wrote: `KVSession.truncate` forgets the slots after it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import torch
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.errors import ContextOverflowError
 from optimum_qnn.program import ExecClock, LoadedProgram, ProgramFacts, TimedMethod
-from optimum_qnn.runtime.generation import GenerationStats, Sampling, eos_ids
+from optimum_qnn.runtime.generation import GenerationStats, Sampling, common_prefix, eos_ids
 from optimum_qnn.session import KVSession
 
 logger = logging.getLogger(__name__)
@@ -35,10 +41,15 @@ class HostBackend:
         self.clock = ExecClock()
         timed = {m.name: TimedMethod(self.program, m.name, self.clock) for m in self.contract.methods}
         self.session = KVSession(self.contract, timed)
+        self.held: list[int] = []  # the tokens whose K/V the caches hold, slots [0, len(held))
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
-                 streamer: Any) -> list[int]:
-        """The new tokens after ``prompt`` (1-D ids, checked by the caller); fills ``self.stats``."""
+                 streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
+        """The new tokens after ``prompt`` (1-D ids, checked by the caller); fills ``self.stats``.
+
+        ``reuse_cache``: keep the K/V of the longest prefix of ``prompt`` the caches hold (at least one prompt token
+        is always fed, for its logits). ``cancel``: called before each decode step; True stops the reply there.
+        """
         session = self.session
         capacity = session.capacity
         if prompt.numel() > capacity:
@@ -47,13 +58,21 @@ class HostBackend:
                 "shorten it or export with a larger --max-seq-len"
             )
         eos = eos_ids(eos_token_id, default=self.manifest.tokenizer.eos_ids)
-        session.reset()
-        stats = GenerationStats(prompt_tokens=prompt.numel(), stopped_by="max_new_tokens")
+        ids = prompt.tolist()
+        reused = min(common_prefix(self.held, ids), len(ids) - 1) if reuse_cache else 0
+        self.held = []  # until this call ends cleanly, the caches hold nothing it can vouch for
+        if reused:  # held never outgrows the stored slots
+            session.truncate(reused)
+        else:
+            reused = 0
+            session.reset()
+        stats = GenerationStats(prompt_tokens=len(ids), reused_tokens=reused, prefilled_tokens=len(ids) - reused,
+                                stopped_by="max_new_tokens")
         self.clock.total = 0.0
         t0 = time.perf_counter()
-        logits = session.feed(prompt)[-1]
+        logits = session.feed(prompt[reused:])[-1]
         stats.time_to_first_token_s = time.perf_counter() - t0
-        stats.prefill_tokens_per_s = prompt.numel() / max(stats.time_to_first_token_s, 1e-9)
+        stats.prefill_tokens_per_s = stats.prefilled_tokens / max(stats.time_to_first_token_s, 1e-9)
         new: list[int] = []
         decode_exec = 0.0
         for step in range(max_new_tokens):
@@ -66,6 +85,9 @@ class HostBackend:
                 break
             if step == max_new_tokens - 1:
                 break
+            if cancel is not None and cancel():
+                stats.stopped_by = "cancelled"
+                break
             if session.n_past >= capacity:
                 stats.stopped_by = "context_full"
                 logger.warning("Generation stopped: the exported context of %d tokens is full", capacity)
@@ -76,6 +98,7 @@ class HostBackend:
             stats.step_times.append(time.perf_counter() - s0)
             decode_exec += self.clock.total - before
         stats.new_tokens = len(new)
+        self.held = (ids + new)[: session.stored]  # the last new token was never fed: stored <= len(ids + new) - 1
         decode_time = sum(stats.step_times)
         if stats.step_times:
             stats.decode_tokens_per_s = len(stats.step_times) / decode_time

@@ -152,18 +152,22 @@ class RunnerBackend:
     # -- generation --------------------------------------------------------------------------------------------
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
-                 streamer: Any) -> list[int]:
+                 streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
         """The new tokens after ``prompt``; fills ``self.stats`` from the runner's own figures.
 
         The runner also stops at its own end tokens (`runner_stop_ids`); ``eos_token_id`` can only stop earlier.
         Sampling takes ``temperature`` only (the runner's sampler has fixed top-p and seeds itself from the clock).
+        A runner process keeps no cache between calls: ``reuse_cache`` changes nothing (the whole prompt is
+        prefilled, ``stats.reused_tokens`` stays 0), and ``cancel`` is asked once, before the process starts.
         """
         ids = prompt.tolist()
         self._check_request(ids, sampling)
         stops = self.runner_stop_ids | eos_ids(eos_token_id, default=())  # the runner's own stop ids always apply
-        stats = GenerationStats(prompt_tokens=len(ids), stopped_by="max_new_tokens")
+        stats = GenerationStats(prompt_tokens=len(ids), prefilled_tokens=len(ids), stopped_by="max_new_tokens")
         new: list[int] = []
-        if max_new_tokens > 0:
+        if cancel is not None and cancel():
+            stats.stopped_by = "cancelled"
+        elif max_new_tokens > 0:
             seq_len = min(len(ids) + max_new_tokens, self.contract.context_len)
             new = self._run(ids, seq_len, sampling.temperature if sampling.do_sample else 0.0, stats)
             if len(ids) + max_new_tokens > seq_len and len(new) == seq_len - len(ids):

@@ -1,0 +1,174 @@
+"""Conversations: `QNNModelForCausalLM.chat` returns a `ChatSession` that keeps what the model has already read.
+
+The session holds the conversation twice: as messages (``history``) and as the exact token ids the model has read
+(``input_ids``: each prompt as the chat template renders it, then the reply's own generated tokens, then the text
+that closes the turn). The next turn appends only the template's text for the new message, so on the host backend
+the KV caches of the earlier turns are reused (`generate(..., reuse_cache=True)`) and only the new tokens are
+prefilled. A runner backend (a board, a phone) starts a process per call and prefills the whole conversation again.
+
+When a turn does not fit the exported context, the oldest whole turns go (the system prompt stays), the kept ones are
+rendered again and prefilled again, and the session says so once: a warning and ``stats.dropped_turns``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.runtime.generation import GenerationStats
+
+logger = logging.getLogger(__name__)
+
+# What `chat(**defaults)` and `send(**overrides)` pass on to `generate`.
+GENERATION_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "generator"})
+DEFAULT_MAX_NEW_TOKENS = 256
+# Tokens that end a model turn in the Gemma chat formats (Gemma4's, and Gemma 2/3's), stop ids when the vocabulary has them.
+TURN_END_TOKENS = ("<turn|>", "<end_of_turn>")
+
+
+class ChatSession:
+    """A conversation with one model: ``send`` a user message, get the reply; the model keeps what it has read.
+
+    Args:
+        model: a loaded `QNNModelForCausalLM`.
+        tokenizer: the artifact's tokenizer (with a chat template).
+        system: an optional system prompt, kept when old turns are dropped.
+        defaults: `generate` options for every reply (``max_new_tokens`` default 256, ``do_sample``, ...).
+
+    Example:
+
+    ```python
+    >>> chat = model.chat(system="You are terse.", max_new_tokens=64)
+    >>> chat.send("What is a list comprehension?")
+    >>> chat.send("And a generator expression?")  # prefills only this turn's tokens on the host
+    ```
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, system: str | None = None, **defaults: Any):
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInputError(
+                "This tokenizer has no chat template, so a conversation cannot be formatted: use generate() or "
+                "text_generation(), or a tokenizer whose files hold a chat_template"
+            )
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise InvalidInputError(f"system must be a non-empty string (or None); got {system!r}")
+        self.model, self.tokenizer, self.system = model, tokenizer, system
+        self.defaults = _options(defaults, "chat()")
+        self.stats = GenerationStats()
+        self.stop_ids = set(model.manifest.tokenizer.eos_ids) | _turn_end_ids(tokenizer)
+        self.reset()
+
+    @property
+    def history(self) -> list[dict[str, str]]:
+        """The conversation as chat messages: the system prompt (if any), then user and assistant turns."""
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return system + [dict(m) for m in self._turns]
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The token ids the model has read for this conversation (what the next turn starts with)."""
+        return list(self._ids)
+
+    def reset(self) -> None:
+        """Forget every turn (the system prompt stays). The model's cache is not cleared: the next turn reuses what
+        it shares with it (at least the system prompt)."""
+        self._turns: list[dict[str, str]] = []
+        self._ids: list[int] = []
+        self._text = ""  # the template's rendering of the conversation that ``_ids`` holds
+
+    def send(self, text: str, streamer: Any = None, cancel: Any = None, **overrides: Any) -> str:
+        """Add the user's ``text``, generate the reply and return it (without its end-of-turn token).
+
+        ``streamer`` gets the reply's tokens as they come; ``cancel()`` returning True stops the reply there (what is
+        generated so far is kept as the reply). ``overrides`` replace the session's `generate` options for this turn.
+        A turn that does not fit drops the oldest turns; one that cannot fit even alone raises
+        `ContextOverflowError` and leaves the session as it was.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError(f"A chat message must be a non-empty string; got {text!r}")
+        options = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **self.defaults, **_options(overrides, "send()")}
+        if "eos_token_id" not in options:
+            options["eos_token_id"] = sorted(self.stop_ids)
+        turns = self._turns + [{"role": "user", "content": text}]
+        ids, text_so_far, dropped, turns = self._prompt(turns, options["max_new_tokens"])
+        out = self.model.generate(ids, streamer=streamer, cancel=cancel, reuse_cache=True, **options)
+        new = out[0, len(ids):].tolist()
+        stats = self.model.stats
+        stats.dropped_turns = dropped
+        self.stats = stats
+        ended = bool(new) and stats.stopped_by == "eos"
+        reply_ids = new[:-1] if ended else new
+        reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+        self._turns = turns + [{"role": "assistant", "content": reply}]
+        self._close(ids + new, text_so_far, reply, ended_by=new[-1] if ended else None)
+        return reply
+
+    # --- the conversation as tokens ---------------------------------------------------------------------------
+
+    def _render(self, turns: list[dict[str, str]], open_reply: bool) -> str:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return self.tokenizer.apply_chat_template(system + turns, add_generation_prompt=open_reply, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        # The template writes the special tokens (<bos>, the turn markers) as text, so nothing is added here (what
+        # apply_chat_template(tokenize=True) does too).
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(ids)
+
+    def _prompt(self, turns: list[dict[str, str]], max_new_tokens: int):
+        """The ids of the prompt for ``turns`` (ending with the new user message): the held ids plus the new text when
+        the template only appends to what it rendered before, or the whole rendering; the oldest turns dropped while
+        the prompt and the reply's reserve do not fit."""
+        capacity = self.model.contract.context_len
+        reserve = min(max_new_tokens, capacity // 4)  # room for the reply; a longer one stops at context_full
+        rendered = self._render(turns, open_reply=True)
+        if self._ids and rendered.startswith(self._text):
+            ids = self._ids + self._encode(rendered[len(self._text):])
+        else:
+            ids = self._encode(rendered)
+        dropped = 0
+        while len(ids) + reserve > capacity and len(turns) > 1:
+            turns = turns[2:] if turns[1]["role"] == "assistant" else turns[1:]  # a user turn and its reply
+            dropped += 1
+            rendered = self._render(turns, open_reply=True)
+            ids = self._encode(rendered)
+        if dropped:
+            logger.warning(
+                "The conversation no longer fits the exported context of %d tokens: dropped the oldest %d turn(s)%s "
+                "and read the rest again", capacity, dropped, ", kept the system prompt" if self.system else "",
+            )
+        return ids, rendered, dropped, turns
+
+    def _close(self, ids: list[int], prompt_text: str, reply: str, ended_by: int | None) -> None:
+        """Hold ``ids`` (the prompt and the generated tokens) plus the tokens of the text that closes the reply's turn
+        in the template (after an end-of-turn token the model generated itself, only what follows it)."""
+        closed = self._render(self._turns, open_reply=False)
+        head = prompt_text + reply
+        if not closed.startswith(head):  # a template that rewrites earlier turns (e.g. trims them): render it all
+            self._ids, self._text = self._encode(closed), closed
+            return
+        tail = closed[len(head):]
+        if ended_by is not None:
+            said = self.tokenizer.decode([ended_by], skip_special_tokens=False)
+            if tail.startswith(said):
+                tail = tail[len(said):]
+            else:  # the model ended with a token the template does not write there (e.g. <eos>): close as written
+                ids = ids[:-1]
+        self._ids = ids + (self._encode(tail) if tail else [])
+        self._text = closed
+
+
+def _options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(values) - GENERATION_OPTIONS)
+    if unknown:
+        raise InvalidInputError(
+            f"{where} got unknown option(s) {', '.join(unknown)}; expected some of: {', '.join(sorted(GENERATION_OPTIONS))}"
+        )
+    return dict(values)
+
+
+def _turn_end_ids(tokenizer: Any) -> set[int]:
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for t in TURN_END_TOKENS if t in vocab}

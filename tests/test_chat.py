@@ -1,0 +1,157 @@
+"""Conversations on the host backend (HTP emulator): a turn prefills only its own tokens and gives the same greedy
+tokens as a full prefill of the whole conversation; prefix reuse for callers that send the whole history; the rule
+for a conversation that outgrows the context."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from optimum_qnn.errors import ContextOverflowError, InvalidInputError
+
+# Five short user turns: with the template's turn markers (10 tokens a turn) and a 4-token reply each turn is about
+# 16 tokens, so the conversation crosses the demo's sliding window (16) and several prefill-chunk boundaries (16) and
+# ends past 64 of the 96 context tokens, without dropping a turn.
+TURNS = ["for", "if x:", "a list", "while", "hello"]
+REPLY_TOKENS = 4
+
+EXPORTS = {
+    "fp16-hybrid": lambda request: request.getfixturevalue("fp16_export").output,
+    "fp16-kv": lambda request: request.getfixturevalue("demo_kv_export"),
+    "16a8w-hybrid": lambda request: request.getfixturevalue("a16w8_export")("hybrid"),
+    "16a8w-kv": lambda request: request.getfixturevalue("a16w8_export")("kv"),
+}
+
+
+class Collect:
+    """A streamer that keeps the tokens it is given."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens += value.reshape(-1).tolist()
+
+    def end(self) -> None:
+        self.ended = True
+
+
+@pytest.fixture(scope="module", params=list(EXPORTS))
+def chat_model(request):
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    return request.param, QNNModelForCausalLM.from_pretrained(EXPORTS[request.param](request))
+
+
+def test_five_turns_equal_full_prefill_each_turn(chat_model):
+    which, model = chat_model
+    chat = model.chat(max_new_tokens=REPLY_TOKENS)
+    prompts, replies, stats = [], [], []
+    for text in TURNS:
+        streamer = Collect()
+        held = chat.input_ids
+        chat.send(text, streamer=streamer)
+        s = chat.stats
+        prompt = chat.input_ids[: s.prompt_tokens]
+        assert prompt[: len(held)] == held  # the turn appended to what the session held
+        prompts.append(prompt)
+        replies.append(streamer.tokens)
+        stats.append((s.reused_tokens, s.prefilled_tokens, s.prompt_tokens))
+    # Turn k >= 2 reuses every token the model has read (the previous prompt and all its reply but the last token,
+    # which was picked and never fed) and prefills only the rest.
+    for k in range(1, len(TURNS)):
+        read = len(prompts[k - 1]) + len(replies[k - 1]) - 1
+        assert stats[k][0] == read, (which, k, stats[k])
+        assert stats[k][1] == stats[k][2] - read
+    assert stats[0][0] == 0 and len(prompts[-1]) > 64 and chat.stats.dropped_turns == 0  # the conversation crossed the window and the chunks
+    # The reference: every turn's whole prompt through a fresh prefill (after the conversation, so the session's
+    # caches were its own).
+    for k, prompt in enumerate(prompts):
+        out = model.generate(prompt, max_new_tokens=REPLY_TOKENS, eos_token_id=sorted(chat.stop_ids))
+        assert model.stats.reused_tokens == 0
+        assert out[0, len(prompt):].tolist() == replies[k], (which, k)
+    assert chat.history[0] == {"role": "user", "content": TURNS[0]} and len(chat.history) == 2 * len(TURNS)
+
+
+@pytest.fixture(scope="module")
+def hybrid(fp16_model):
+    return fp16_model
+
+
+def test_prefix_reuse_ending_inside_a_prefill_chunk(hybrid):
+    model = hybrid
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(6, model.contract.vocab_size, (40,), generator=gen).tolist()
+    model.generate(first, max_new_tokens=3, eos_token_id=[], reuse_cache=True)
+    # 21 shared tokens: the first prefill chunk wrote slots 0-15, the second 16-31; the match ends inside it.
+    second = first[:21] + torch.randint(6, model.contract.vocab_size, (12,), generator=gen).tolist()
+    got = model.generate(second, max_new_tokens=6, eos_token_id=[], reuse_cache=True)[0].tolist()
+    assert (model.stats.reused_tokens, model.stats.prefilled_tokens) == (21, 12)
+    want = model.generate(second, max_new_tokens=6, eos_token_id=[])[0].tolist()
+    assert model.stats.reused_tokens == 0 and got == want
+    # The whole held prompt again: everything but its last token is reused (its logits are needed).
+    again = model.generate(second, max_new_tokens=6, eos_token_id=[], reuse_cache=True)[0].tolist()
+    assert model.stats.reused_tokens == len(second) - 1 and again == want
+    # Nothing shared: nothing reused.
+    model.generate([7] + second, max_new_tokens=2, eos_token_id=[], reuse_cache=True)
+    assert model.stats.reused_tokens == 0
+
+
+def test_cancel_stops_the_reply_and_keeps_the_session(hybrid):
+    chat = hybrid.chat(max_new_tokens=12)
+    streamer = Collect()
+    chat.send(TURNS[0], streamer=streamer, cancel=lambda: len(streamer.tokens) >= 2)
+    assert chat.stats.stopped_by == "cancelled" and len(streamer.tokens) == 2
+    assert chat.history[-1]["role"] == "assistant"
+    first_prompt = chat.stats.prompt_tokens
+    chat.send(TURNS[1])
+    assert chat.stats.reused_tokens == first_prompt + 2 - 1  # the cancelled reply's first token was read
+
+
+def test_a_full_context_drops_the_oldest_turns_once(hybrid, caplog):
+    model = hybrid
+    chat = model.chat(system="Answer from the Python docs.", max_new_tokens=8)
+    with caplog.at_level(logging.WARNING, logger="optimum_qnn.runtime.chat"):
+        dropped_at = None
+        for i in range(12):
+            chat.send(f"{TURNS[i % len(TURNS)]} {TURNS[(i + 2) % len(TURNS)]}")
+            if chat.stats.dropped_turns:
+                dropped_at = i
+                break
+    assert dropped_at is not None, "the conversation never filled the context"
+    warnings = [r for r in caplog.records if "no longer fits" in r.getMessage()]
+    assert len(warnings) == 1 and "kept the system prompt" in warnings[0].getMessage()
+    history = chat.history
+    assert history[0] == {"role": "system", "content": "Answer from the Python docs."}
+    assert len(history) == 1 + 2 * (dropped_at + 1 - chat.stats.dropped_turns)
+    assert history[1]["content"] == f"{TURNS[chat.stats.dropped_turns % len(TURNS)]} {TURNS[(chat.stats.dropped_turns + 2) % len(TURNS)]}"
+    # What was kept was read again from the start of the template's rendering (the system prompt's tokens reused).
+    tok = chat.tokenizer
+    rendered = tok.apply_chat_template(history[:-1], add_generation_prompt=True, tokenize=False)
+    assert chat.input_ids[: chat.stats.prompt_tokens] == tok(rendered, add_special_tokens=False)["input_ids"]
+    assert chat.stats.prompt_tokens + min(8, model.contract.context_len // 4) <= model.contract.context_len
+
+
+def test_a_turn_longer_than_the_context_is_refused_and_changes_nothing(hybrid):
+    chat = hybrid.chat(max_new_tokens=2)
+    chat.send(TURNS[0])
+    before = (chat.history, chat.input_ids)
+    with pytest.raises(ContextOverflowError, match="exported context"):
+        chat.send(" ".join(TURNS * 8))
+    assert (chat.history, chat.input_ids) == before
+    with pytest.raises(InvalidInputError, match="unknown option"):
+        chat.send("hello", max_tokens=3)
+    with pytest.raises(InvalidInputError, match="non-empty string"):
+        chat.send("  ")
+
+
+def test_reset_keeps_the_system_prompt(hybrid):
+    chat = hybrid.chat(system="Be brief.", max_new_tokens=2)
+    chat.send(TURNS[0])
+    chat.reset()
+    assert chat.history == [{"role": "system", "content": "Be brief."}] and chat.input_ids == []
+    chat.send(TURNS[1])
+    assert chat.stats.reused_tokens > 0  # the system turn's tokens are still in the cache
