@@ -89,21 +89,12 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         "ExecuTorch's qnn_llama_runner on this machine (--device runner) or on an Android phone (--device adb). Prints the text as it comes, then "
         "one line of stats.",
     )
-    parser.add_argument("model", help="artifact folder or Hub repo id")
-    parser.add_argument("--soc", help="the variant's SoC, e.g. SM8650 (needed when the artifact has several)")
-    parser.add_argument("--quant", help="the variant's quant scheme, e.g. 16a8w (needed when several)")
-    parser.add_argument("--context-len", type=int, help="the variant's context length (when several)")
-    parser.add_argument("--revision", help="Hub revision")
+    _add_variant_args(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, tokenized with the artifact's tokenizer")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are (e.g. 2,651,1234)")
     parser.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
-    parser.add_argument("--device", default="host",
-                        help="host (ExecuTorch's Python runtime here), runner (ExecuTorch's qnn_llama_runner here: a "
-                        "Snapdragon board or laptop, or x86 with the emulator), adb (the one phone connected) or "
-                        "adb:SERIAL (default: %(default)s)")
-    parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
     _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
@@ -120,13 +111,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             with third_party_quiet(args.verbose, keep_stdout=True):  # the text streams as it comes
                 from transformers import AutoTokenizer, TextStreamer
 
-                from optimum_qnn.runtime.modeling import QNNModelForCausalLM
-
-                options = {"runner": args.runner} if args.runner else {}
-                model = QNNModelForCausalLM.from_pretrained(
-                    args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, revision=args.revision,
-                    device=args.device, **options,
-                )
+                model = _load_variant(args)
                 tokenizer = AutoTokenizer.from_pretrained(model.root)
                 streamer = TextStreamer(tokenizer, skip_special_tokens=True)
                 if ids is None:
@@ -148,16 +133,17 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_variant_args(parser: argparse.ArgumentParser) -> None:
-    """Which variant of which artifact, and where it runs (shared by chat and serve)."""
+    """Which variant of which artifact, and where it runs (shared by run, chat and serve)."""
     parser.add_argument("model", help="artifact folder or Hub repo id")
     parser.add_argument("--soc", help="the variant's SoC, e.g. SM8650 (needed when the artifact has several)")
     parser.add_argument("--quant", help="the variant's quant scheme, e.g. 16a8w (needed when several)")
     parser.add_argument("--context-len", type=int, help="the variant's context length (when several)")
     parser.add_argument("--revision", help="Hub revision")
     parser.add_argument("--device", default="host",
-                        help="host (ExecuTorch's Python runtime here: the cache is kept between turns), runner "
-                        "(ExecuTorch's qnn_llama_runner here) or adb / adb:SERIAL (that runner on a phone); a runner "
-                        "reads the whole conversation again each turn (default: %(default)s)")
+                        help="host (ExecuTorch's Python runtime here: in a conversation the cache is kept between "
+                        "turns), runner (ExecuTorch's qnn_llama_runner here: a Snapdragon board or laptop, or x86 with "
+                        "the emulator) or adb / adb:SERIAL (that runner on a phone); a runner reads the whole "
+                        "conversation again each turn (default: %(default)s)")
     parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
 
 
@@ -202,12 +188,62 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handler)
 
 
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP endpoint for an exported model (chat and text completions)",
+        description="Serve one variant over HTTP with OpenAI's API (GET /v1/models, POST /v1/chat/completions and "
+        "/v1/completions, streaming as server-sent events; GET /health). One generation at a time, a bounded queue "
+        "behind it (429 when full); prompts that begin with the previous request's tokens reuse its cache.",
+    )
+    _add_variant_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $OPTIMUM_QNN_API_KEY; unset: no check)")
+    parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (default: %(default)s)")
+    parser.add_argument("--name", help="the model id clients send (default: the artifact folder's name)")
+    _add_verbose(parser)
+
+    def handler(args: argparse.Namespace) -> int:
+        import os
+
+        from optimum_qnn.console import configure_logging, third_party_quiet
+        from optimum_qnn.errors import OptimumQnnError
+
+        if not 0 < args.port < 65536 or args.queue_size < 0:
+            print("error: --port must be in 1..65535 and --queue-size >= 0", file=sys.stderr)
+            return 2
+        api_key = args.api_key or os.environ.get("OPTIMUM_QNN_API_KEY") or None
+        configure_logging(args.verbose)
+        try:
+            with third_party_quiet(args.verbose):
+                model = _load_variant(args)
+        except OptimumQnnError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use the model",
+                  file=sys.stderr)
+        try:
+            from optimum_qnn.runtime.server.app import serve
+        except ImportError as e:
+            print(f"error: serve needs its HTTP stack ({e.name} is missing): pip install 'optimum-qnn[serve]'",
+                  file=sys.stderr)
+            return 2
+        with third_party_quiet(args.verbose, keep_stdout=True):
+            serve(model, host=args.host, port=args.port, api_key=api_key, queue_size=args.queue_size, name=args.name,
+                  verbose=args.verbose)
+        return 0
+
+    parser.set_defaults(handler=handler)
+
+
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also show what the libraries print (the QNN runtime's own log lines, their warnings)")
 
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run, _add_chat)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run, _add_chat, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

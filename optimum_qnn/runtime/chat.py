@@ -57,7 +57,7 @@ class ChatSession:
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.defaults = _options(defaults, "chat()")
         self.stats = GenerationStats()
-        self.stop_ids = set(model.manifest.tokenizer.eos_ids) | _turn_end_ids(tokenizer)
+        self.stop_ids = set(model.manifest.tokenizer.eos_ids) | turn_end_ids(tokenizer)
         self.reset()
 
     @property
@@ -169,6 +169,7 @@ def _options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     return dict(values)
 
 
-def _turn_end_ids(tokenizer: Any) -> set[int]:
+def turn_end_ids(tokenizer: Any) -> set[int]:
+    """The ids of the tokenizer's end-of-turn tokens (`TURN_END_TOKENS` it has)."""
     vocab = tokenizer.get_vocab()
     return {vocab[t] for t in TURN_END_TOKENS if t in vocab}

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`python -m optimum_qnn serve`): `app.build_app`, `engine.Engine`, `protocol`."""

@@ -1,0 +1,267 @@
+"""`python -m optimum_qnn serve`: an OpenAI-compatible HTTP endpoint (Starlette on uvicorn) for one loaded variant.
+
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` as server-sent events
+in OpenAI's chunk format), ``GET /health``. One generation at a time with a bounded queue (`engine.Engine`): a
+full queue is a 429 with ``Retry-After``. Prompts reuse the cache of the previous request where they begin with it,
+and ``usage.prompt_tokens_details.cached_tokens`` says how many tokens were not prefilled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from optimum_qnn.runtime.chat import turn_end_ids
+from optimum_qnn.runtime.server.engine import Engine, Job, QueueFull
+from optimum_qnn.runtime.server.protocol import ApiError, Request, chat_messages, completion_prompt, parse
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 1 << 20  # bytes; a longer body is a 413
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Service:
+    """The endpoints over one model: request checks, prompt building, the engine, the response shapes."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str, api_key: str | None, queue_size: int,
+                 max_body: int):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.api_key, self.max_body = api_key, max_body
+        self.engine = Engine(model, tokenizer, queue_size=queue_size)
+        self.capacity = model.contract.context_len
+        self.eos = sorted(set(model.manifest.tokenizer.eos_ids) | turn_end_ids(tokenizer))
+        self.created = int(time.time())
+
+    # --- plumbing -------------------------------------------------------------------------------------------------
+
+    def _check_key(self, request: HttpRequest) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", kind="authentication_error")
+
+    async def _body(self, request: HttpRequest) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise ApiError(413, f"The request body has {length} bytes; the limit is {self.max_body}", code="body_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.max_body:
+                raise ApiError(413, f"The request body exceeds the limit of {self.max_body} bytes", code="body_too_large")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
+
+    def _check_model(self, name: str) -> None:
+        if name != self.name:
+            raise ApiError(404, f"The model {name!r} does not exist here; this server serves {self.name!r}",
+                           code="model_not_found", param="model")
+
+    def _ids(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            messages = chat_messages(body)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ApiError(400, "This model's tokenizer has no chat template: use /v1/completions")
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # the template's own refusal (e.g. roles that do not alternate)
+                raise ApiError(400, f"The chat template refused these messages: {e}", param="messages") from None
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(completion_prompt(body), add_special_tokens=True)["input_ids"]
+        if len(ids) >= self.capacity:
+            raise ApiError(
+                400, f"This model's maximum context length is {self.capacity} tokens. However, your "
+                f"{'messages' if chat else 'prompt'} resulted in {len(ids)} tokens, with none left to generate. "
+                "Shorten them, or export with a larger --max-seq-len.",
+                code="context_length_exceeded", param="messages" if chat else "prompt",
+            )
+        return list(ids)
+
+    # --- endpoints ------------------------------------------------------------------------------------------------
+
+    async def models(self, request: HttpRequest) -> Response:
+        try:
+            self._check_key(request)
+            if "model" in request.path_params:
+                self._check_model(request.path_params["model"])
+                return JSONResponse(self._model_card())
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "optimum-qnn"}
+
+    async def health(self, request: HttpRequest) -> Response:
+        m = self.model
+        return JSONResponse({
+            "status": "ok", "model": self.name, "device": m.device, "soc": m.manifest.target.soc,
+            "context_len": self.capacity, "busy": self.engine.busy, "queue_size": self.engine.queue_size,
+            "last_generation": self.engine.last,
+        })
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: HttpRequest, chat: bool) -> Response:
+        try:
+            self._check_key(request)
+            body = await self._body(request)
+            req = parse(body, chat=chat)
+            self._check_model(req.model)
+            ids = self._ids(body, chat)
+            room = self.capacity - len(ids)
+            options = dict(req.options, max_new_tokens=min(req.max_tokens or room, room), eos_token_id=self.eos)
+            job = Job(ids, options, req.stop)
+            try:
+                done = self.engine.submit(job)
+            except QueueFull:
+                wait = self.engine.retry_after()
+                raise ApiError(429, f"The NPU is busy and its queue of {self.engine.queue_size} is full; retry in "
+                               f"about {wait} s", code="rate_limit_exceeded", kind="rate_limit_error",
+                               headers={"Retry-After": str(wait)}) from None
+        except ApiError as e:
+            return _error(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if req.stream:
+            return StreamingResponse(self._stream(request, job, done, req, rid, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await self._wait(request, job, done)
+        if job.finish_reason == "cancelled":
+            return _error(ApiError(503, "The server is stopping; the generation was cancelled", kind="server_error"))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": job.text}
+        else:
+            choice["text"] = job.text
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.name, "choices": [choice], "usage": self._usage(job),
+        })
+
+    async def _wait(self, request: HttpRequest, job: Job, done: asyncio.Future) -> None:
+        """Wait for ``job``, cancelling it if the client goes away meanwhile."""
+        while True:
+            finished, _ = await asyncio.wait({done}, timeout=0.25)
+            if finished:
+                done.result()
+                return
+            if await request.is_disconnected():
+                job.cancel()
+
+    def _usage(self, job: Job) -> dict[str, Any]:
+        s = job.stats
+        cached = s.reused_tokens if s is not None else 0
+        prompt = len(job.ids)
+        return {"prompt_tokens": prompt, "completion_tokens": len(job.tokens), "total_tokens": prompt + len(job.tokens),
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _stream(self, request: HttpRequest, job: Job, done: asyncio.Future, req: Request, rid: str, chat: bool):
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                content: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+                choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            out = {"id": rid, "object": kind, "created": created, "model": self.name, "choices": [choice]}
+            if req.include_usage:
+                out["usage"] = None
+            return f"data: {json.dumps(out)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            while (piece := await job.pieces.get()) is not None:
+                yield chunk(piece)
+            await done  # the end mark comes from the worker just before its future completes
+            if job.finish_reason == "cancelled":
+                return
+            yield chunk(None, job.finish_reason)
+            if req.include_usage:
+                yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.name, 'choices': [], 'usage': self._usage(job)})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done.done():  # the client went away (or the server stops): stop at the next token
+                job.cancel()
+                logger.info("A client left during its stream; its generation stops")
+
+
+def build_app(model: Any, tokenizer: Any = None, *, name: str | None = None, api_key: str | None = None,
+              queue_size: int = 8, max_body: int = DEFAULT_MAX_BODY) -> Starlette:
+    """The ASGI app serving ``model`` (a loaded `QNNModelForCausalLM`) under ``name`` (default: the artifact's folder
+    name)."""
+    service = Service(model, tokenizer if tokenizer is not None else model.tokenizer(),
+                      name=name or model.root.name, api_key=api_key, queue_size=queue_size, max_body=max_body)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.engine.close()  # a stopping server cancels the running generation at its next token
+
+    app = Starlette(routes=[
+        Route("/health", service.health, methods=["GET"]),
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", service.models, methods=["GET"]),
+        Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+        Route("/v1/completions", service.completions, methods=["POST"]),
+    ], lifespan=lifespan)
+    app.state.service = service
+    return app
+
+
+GRACE_SECONDS = 10  # on SIGTERM, a running request has this long to finish before it is cancelled
+
+
+def serve(model: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, queue_size: int = 8,
+          name: str | None = None, verbose: bool = False) -> None:
+    """Serve ``model`` until SIGINT/SIGTERM (uvicorn's graceful shutdown, then the running generation is cancelled)."""
+    import uvicorn
+
+    app = build_app(model, name=name, api_key=api_key, queue_size=queue_size)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
+                            access_log=verbose, timeout_graceful_shutdown=GRACE_SECONDS, lifespan="on")
+    server = uvicorn.Server(config)
+    service = app.state.service
+    print(f"Serving {service.name!r} ({model.manifest.target.soc}, {model.manifest.quantization.scheme}, context "
+          f"{service.capacity}, on {model.device}) at http://{host}:{port}/v1"
+          + (" (API key required)" if api_key else "") + ". Ctrl-C stops.", flush=True)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again to the handler that was there
+    # before it: with these, that ends here, and the command exits 0 after a clean stop.
+    stopped_by: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    why = f" ({signal.Signals(stopped_by[0]).name})" if stopped_by else ""
+    print(f"Server stopped{why}.", flush=True)
