@@ -10,10 +10,10 @@ Two sizes: `demo` (1.3 M parameters, a minute of training: the README's demo and
 parameters, trained by `make bench` on 2 cores (its training time is a row of benchmarks/RESULTS.md), for the 4-bit
 weight measurements of benchmarks/QUANT_NOTES.md).
 
-The demo also speaks Gemma4's chat format: its tokenizer has the turn tokens ``<|turn>`` / ``<turn|>`` and a chat
-template of that shape (``<bos><|turn>user\n...<turn|>\n<|turn>model\n``), and part of its training text is the
-docs cut into such turns (a topic's first line asked, the rest answered), so a reply ends with ``<turn|>`` as a
-real Gemma4 instruction model's does.
+The demo's tokenizer also carries a chat template of Gemma4's shape (``<bos><|turn>user\n...<turn|>\n<|turn>model\n``),
+so conversations and the server run on it. Its turn markers are plain text there (several tokens each, not trained
+on), which keeps the demo's weights and every figure measured on it unchanged; a reply ends at ``<eos>``. The real
+Gemma4 checkpoints ship their own template, with ``<|turn>`` / ``<turn|>`` as special tokens.
 
 Usage: ``python examples/tiny_gemma4.py OUT_DIR [--size demo|bench] [--steps N]``
 """
@@ -32,11 +32,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0, 1, 2, 3: Gemma's pad/eos/bos convention
-TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"  # Gemma4's turn markers; the demo's ids 4 and 5
 VOCAB = 512
 BENCH_VOCAB = 2048
 RECIPE_VERSION = 1  # bump when anything below changes, so cached builds are rebuilt
-CHAT_VERSION = 1  # the demo's chat tokens, template and turns (bump on change; the bench model has none)
+CHAT_VERSION = 1  # the demo's chat template (bump on change; the bench model has none)
 
 # Gemma4's chat layout (the real checkpoints ship their own template in their tokenizer files): an optional system
 # turn, then user and model turns, each closed by <turn|> and a newline; the model's turn is left open to generate.
@@ -52,19 +51,6 @@ def corpus() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def chat_corpus() -> str:
-    """The docs as chat turns: each paragraph's first line of text is the user's, the next one or two the model's
-    (short replies, so the model learns to close its turn)."""
-    turns = []
-    for paragraph in corpus().split("\n\n"):
-        # heading underlines ("*****", "=====") are no answer
-        lines = [line.strip() for line in paragraph.strip().splitlines() if any(c.isalnum() for c in line)]
-        if len(lines) >= 2:
-            turns.append(f"<bos>{TURN_OPEN}user\n{lines[0]}{TURN_CLOSE}\n{TURN_OPEN}model\n"
-                         + " ".join(lines[1:3]) + f"{TURN_CLOSE}\n")
-    return "\n".join(turns)
 
 
 def _gemma4(vocab: int, hidden: int, mlp: int, heads: int, head_dims: tuple[int, int], layer_types: list[str],
@@ -119,7 +105,7 @@ class Size:
     steps: int
     lr: float
     seq: int
-    chat: bool = False  # turn tokens, a chat template and chat-shaped training text
+    chat: bool = False  # a chat template in the tokenizer files (nothing else changes)
 
 
 SIZES = {
@@ -128,13 +114,12 @@ SIZES = {
 }
 
 
-def train_tokenizer(text: str, vocab: int = VOCAB, chat: bool = False) -> Tokenizer:
+def train_tokenizer(text: str, vocab: int = VOCAB) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = SPECIALS + [TURN_OPEN, TURN_CLOSE] if chat else SPECIALS
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator([text], trainer=trainer)
     return tok
@@ -173,13 +158,20 @@ def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
         want["size"] = size
     if spec.chat:
         want["chat"] = CHAT_VERSION
-    if stamp.is_file() and json.loads(stamp.read_text()) == want:
+    have = json.loads(stamp.read_text()) if stamp.is_file() else None
+    if have == want:
+        return out
+    if spec.chat and have == {k: v for k, v in want.items() if k != "chat"}:  # a build from before the chat template
+        fast = PreTrainedTokenizerFast.from_pretrained(out)
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(out)
+        stamp.write_text(json.dumps(want))
         return out
     t0 = time.time()
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    text = corpus() + ("\n\n" + chat_corpus() if spec.chat else "")
-    tok = train_tokenizer(text, spec.vocab, spec.chat)
+    text = corpus()
+    tok = train_tokenizer(text, spec.vocab)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
     cfg = spec.config()
     cfg._attn_implementation = "eager"
@@ -188,8 +180,7 @@ def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
     loss = train(model, ids, steps, seq=spec.seq, lr=spec.lr)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    eos = [1, tok.token_to_id(TURN_CLOSE)] if spec.chat else 1  # a chat reply ends at <turn|>, as Gemma4's does
-    GenerationConfig(bos_token_id=2, eos_token_id=eos, pad_token_id=0).save_pretrained(out)
+    GenerationConfig(bos_token_id=2, eos_token_id=1, pad_token_id=0).save_pretrained(out)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     if spec.chat:
         fast.chat_template = CHAT_TEMPLATE

@@ -11,9 +11,9 @@ import torch
 
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 
-# Five short user turns: with the template's turn markers (10 tokens a turn) and a 4-token reply each turn is about
-# 16 tokens, so the conversation crosses the demo's sliding window (16) and several prefill-chunk boundaries (16) and
-# ends past 64 of the 96 context tokens, without dropping a turn.
+# Five short user turns: with the template's turn markers (plain text in the demo's tokenizer, about 25 tokens a turn)
+# and a 4-token reply, each turn is about 35 tokens, so the conversation crosses the demo's sliding window (16) and
+# many prefill-chunk boundaries (16) and ends past 150 of the 192 context tokens, without dropping a turn.
 TURNS = ["for", "if x:", "a list", "while", "hello"]
 REPLY_TOKENS = 4
 
@@ -66,7 +66,7 @@ def test_five_turns_equal_full_prefill_each_turn(chat_model):
         read = len(prompts[k - 1]) + len(replies[k - 1]) - 1
         assert stats[k][0] == read, (which, k, stats[k])
         assert stats[k][1] == stats[k][2] - read
-    assert stats[0][0] == 0 and len(prompts[-1]) > 64 and chat.stats.dropped_turns == 0  # the conversation crossed the window and the chunks
+    assert stats[0][0] == 0 and len(prompts[-1]) > 150 and chat.stats.dropped_turns == 0  # the conversation crossed the window and the chunks
     # The reference: every turn's whole prompt through a fresh prefill (after the conversation, so the session's
     # caches were its own).
     for k, prompt in enumerate(prompts):
@@ -140,7 +140,7 @@ def test_a_turn_longer_than_the_context_is_refused_and_changes_nothing(hybrid):
     chat.send(TURNS[0])
     before = (chat.history, chat.input_ids)
     with pytest.raises(ContextOverflowError, match="exported context"):
-        chat.send(" ".join(TURNS * 8))
+        chat.send(" ".join(TURNS * 40))
     assert (chat.history, chat.input_ids) == before
     with pytest.raises(InvalidInputError, match="unknown option"):
         chat.send("hello", max_tokens=3)
@@ -155,3 +155,45 @@ def test_reset_keeps_the_system_prompt(hybrid):
     assert chat.history == [{"role": "system", "content": "Be brief."}] and chat.input_ids == []
     chat.send(TURNS[1])
     assert chat.stats.reused_tokens > 0  # the system turn's tokens are still in the cache
+
+
+class _Loop:
+    """Stands in for the event loop and queue a job's text pieces are handed to (from the engine's thread)."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+
+    def call_soon_threadsafe(self, fn, piece):
+        fn(piece)
+
+    def put_nowait(self, piece):
+        self.pieces.append(piece)
+
+
+def test_stop_strings_are_held_back_until_they_cannot_match():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from optimum_qnn.runtime.server.engine import Job, _JobStreamer
+
+    words = ["<eos>", "<turn|>", "ab", "cd", "ef", "gh"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.add_special_tokens({"additional_special_tokens": ["<turn|>"]})
+
+    from optimum_qnn.runtime.chat import turn_end_ids
+
+    assert turn_end_ids(fast) == {1}
+    assert fast.decode([2, 3, 4, 5]) == "ab cd ef gh"
+    job = Job([0], {}, stop=["f g"])
+    job.loop = job.pieces = _Loop()
+    streamer = _JobStreamer(job, fast)
+    for token in (2, 3, 4):
+        streamer.put(torch.tensor([token]))
+    # "ab cd ef": its last two characters could begin "f g", so only "ab cd " is out
+    assert "".join(job.loop.pieces) == "ab cd " and not job.cancelled.is_set()
+    streamer.put(torch.tensor([5]))
+    assert job.finish_reason == "stop" and job.cancelled.is_set() and job.text == "ab cd e"
+    streamer.end()
+    assert "".join(job.loop.pieces) == "ab cd e"

@@ -11,7 +11,7 @@ import sys
 import termios
 import time
 
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import FP16_CTX, REPO_ROOT, child_env
 
 
 class Terminal:
@@ -62,7 +62,7 @@ def test_chat_in_a_terminal(fp16_export):
     term = Terminal([sys.executable, "-m", "optimum_qnn", "chat", str(fp16_export.output), "--max-new-tokens", "32", "-v"])
     try:
         banner = term.expect(r"> $")
-        assert "Chat with" in banner and "SM8650" in banner and "context 96" in banner and "/reset" in banner
+        assert "Chat with" in banner and "SM8650" in banner and f"context {FP16_CTX}" in banner and "/reset" in banner
         term.send("for\n")
         first = term.expect(r"\]\r?\n> $")
         assert re.search(r"\[\d+ prompt tokens \(0 reused\) \+ \d+ new", first), first

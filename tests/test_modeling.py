@@ -199,7 +199,7 @@ def test_generation_stops_at_the_context_end(fp16_model):
 
 
 def test_variant_selection_errors(fp16_export):
-    with pytest.raises(VariantNotFoundError, match="available: SM8650/fp16/ctx96/hybrid"):
+    with pytest.raises(VariantNotFoundError, match=f"available: SM8650/fp16/ctx{FP16_CTX}/hybrid"):
         QNNModelForCausalLM.from_pretrained(fp16_export.output, soc="SM8750")
 
 

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import FP16_CTX, REPO_ROOT, child_env
 
 MESSAGES = [{"role": "user", "content": "for"}]
 
@@ -134,7 +134,7 @@ def test_errors_in_openai_shape(server, fp16_model):
     long = [{"role": "user", "content": " ".join(["for while if"] * 80)}]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="demo", messages=long, max_tokens=4)
-    assert e.value.code == "context_length_exceeded" and "maximum context length is 96" in e.value.message
+    assert e.value.code == "context_length_exceeded" and f"maximum context length is {FP16_CTX}" in e.value.message
     with pytest.raises(openai.BadRequestError, match="n=2"):
         c.chat.completions.create(model="demo", messages=MESSAGES, n=2)
     bad = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
