@@ -104,6 +104,16 @@ def held_out_prompts(tokenizer, count: int = GREEDY_PROMPTS, length: int = GREED
     return prompts
 
 
+def source_commit() -> str:
+    """The commit a measurement runs on, `-dirty` when the code it runs (package, benchmarks, examples) has uncommitted
+    changes: every stored row records it, so a figure can be traced to the code that produced it."""
+    root = HERE.parent
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "optimum_qnn", "benchmarks/*.py", "examples"], cwd=root,
+                           capture_output=True, text=True).stdout.strip()
+    return (commit or "unknown") + ("-dirty" if dirty else "")
+
+
 def greedy_run(qnn_tokens, hf_tokens, start: int) -> int:
     """How many new tokens equal Hugging Face's before the first difference."""
     same = (qnn_tokens[0, start:] == hf_tokens[0, start:]).long()
@@ -139,6 +149,7 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str
 
     model_dir = MODEL_DIRS[model_name]
     config = scheme_config(scheme)
+    commit = source_commit()
     out = work / model_name / scheme
     calibration = CalibrationSource(file=work / "calib.txt", limit=16)
     result = export(model_dir, out, config, calibration=calibration, evaluate=work / "held_out.txt", evaluate_tokens=EVAL_TOKENS)
@@ -168,6 +179,7 @@ def scheme_child(scheme: str, work: Path, steps: int, runs: int, model_name: str
     return {
         "scheme": config.quant_tag,
         "model": model_name,
+        "commit": commit,
         "export s": sum(c[0] for c in costs.values()),
         "peak RSS MB": max(c[1] for c in costs.values()),
         ".pte KB": pte.stat().st_size / 1024,
@@ -218,7 +230,7 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
 def scheme_table(rows: list[dict], steps: int) -> str:
     """One line per row; a column a row does not have (measured before the column existed) shows `-`."""
-    header = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in ("eval tokens", "stages", "model")]
+    header = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in ("eval tokens", "stages", "model", "commit")]
     cells = []
     for row in rows:
         line = [row["scheme"]]
