@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -51,8 +52,10 @@ BENCH_SCHEMES = ["16a8w", "16a4w_block", "16a4w_e2b"]
 SECTIONS = ["schemes", "bench", "e2b", "peer"]
 ROWS_FILE = HERE / "rows.json"
 STAGES = ["load", "swap", "export", "calibrate", "quantize", "lower", "write"]
-CACHE = Path.home() / ".cache" / "optimum-qnn"
-DEMO_DIR = CACHE / "test-models" / "demo-gemma4"
+# The models are cached where the package caches (`$OPTIMUM_QNN_CACHE`), the demo model where the tests keep it
+# (`$OPTIMUM_QNN_TEST_CACHE`), so a checkout whose examples/tiny_gemma4.py differs never rebuilds another's models.
+CACHE = Path(os.environ.get("OPTIMUM_QNN_CACHE", Path.home() / ".cache" / "optimum-qnn")).expanduser()
+DEMO_DIR = Path(os.environ.get("OPTIMUM_QNN_TEST_CACHE", CACHE / "test-models")).expanduser() / "demo-gemma4"
 MODEL_DIRS = {"demo": DEMO_DIR, "bench": CACHE / "bench-models" / "bench-gemma4"}
 GREEDY_PROMPTS, GREEDY_PROMPT_TOKENS = 8, 24
 # Held-out text for perplexity: docstrings of standard-library modules. The demo model trains on CPython's
