@@ -59,8 +59,8 @@ def main() -> int:
         print(f"| {model} | {scheme} | {kb:.1f} | {ratio:.3f}x | {seconds:.0f} |")
     stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
     for model, scheme, kb, ratio, seconds in rows:
-        stored.setdefault(model, {})[scheme] = {"phone .pte KB": kb, f"/ {args.schemes[0]}": ratio, "export s": seconds,
-                                               "commit": commit}
+        stored.setdefault(model, {})[scheme] = {"phone .pte KB": kb, "ratio to first scheme": ratio,
+                                               "first scheme": args.schemes[0], "export s": seconds, "commit": commit}
     ROWS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
     return 0
 
