@@ -252,3 +252,13 @@ def test_truncated_program_with_matching_manifest_is_refused_cleanly(artifact_co
     with pytest.raises(OptimumQnnError, match="corrupt or not an ExecuTorch program"):
         QNNModelForCausalLM.from_pretrained(root)
     assert (root / "qnn_index.json").read_bytes() == index_before  # a refused load writes nothing
+
+
+def test_generation_stops_at_a_callers_eos_on_the_host(fp16_model):
+    """Every other host test passes eos_token_id=[]: here the first greedy token is made the end token."""
+    prompt = torch.tensor([2, 40, 41, 42])
+    free = fp16_model.generate(prompt, max_new_tokens=4, eos_token_id=[])
+    first = int(free[0, prompt.numel()])
+    stopped = fp16_model.generate(prompt, max_new_tokens=4, eos_token_id=[first])
+    assert stopped[0, prompt.numel():].tolist() == [first]
+    assert fp16_model.stats.stopped_by == "eos" and fp16_model.stats.new_tokens == 1
