@@ -235,6 +235,7 @@ def section() -> str:
     rows.append([".pte parts GiB: HTP contexts / table values / table scales / other"] + [
         " / ".join(f"{r['components'][p]:.2f}" for p in parts) if "table_values" in r["components"] else "-"
         for r in runs.values()])
+    rows.append(["commit measured on"] + [r.get("commit", "not recorded") for r in runs.values()])
     table = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     return (
         "## Full-size Gemma-4-E2B, from the command users type\n\n"
@@ -278,7 +279,9 @@ def main() -> int:
         shards = f"{args.quant}:{shards}"
     stored = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.is_file() else {"runs": {}}
     stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
-    stored["runs"][shards] = {k: v for k, v in result.items() if k != "pte"}
+    import run  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
+
+    stored["runs"][shards] = {**{k: v for k, v in result.items() if k != "pte"}, "commit": run.source_commit()}
     RESULTS_FILE.write_text(json.dumps(stored, indent=1))
     return 0
 

@@ -2,7 +2,9 @@
 
 The emulator rows of RESULTS.md are built with weight sharing off (the x86 emulator cannot load shared contexts),
 so their HTP weights are stored twice and a scheme's extra 8-bit weights weigh double. This exports the build a phone
-gets, with the same settings as benchmarks/run.py otherwise, and prints its size against plain 16a4w_block.
+gets, with the same settings as benchmarks/run.py otherwise, prints its size against plain 16a4w_block, and stores
+each row in benchmarks/phone_size.json (keyed by model and scheme, with the commit it ran on; rows of models and
+schemes not measured again are kept).
 
 Usage: python benchmarks/phone_size.py [--models demo bench] [--schemes 16a4w_block 16a4w_e2b] [--work DIR]
 """
@@ -10,6 +12,7 @@ Usage: python benchmarks/phone_size.py [--models demo bench] [--schemes 16a4w_bl
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -22,6 +25,8 @@ sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
 import tiny_gemma4  # noqa: E402
+
+ROWS_FILE = HERE / "phone_size.json"
 
 
 def main() -> int:
@@ -38,6 +43,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "calib.txt").write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
     rows = []
+    commit = run.source_commit()
     for model in args.models:
         tiny_gemma4.build(run.MODEL_DIRS[model], size=model)
         sizes = {}
@@ -51,6 +57,11 @@ def main() -> int:
     print("| model | scheme | phone .pte KB | / first scheme | export s |\n|---|---|---|---|---|")
     for model, scheme, kb, ratio, seconds in rows:
         print(f"| {model} | {scheme} | {kb:.1f} | {ratio:.3f}x | {seconds:.0f} |")
+    stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
+    for model, scheme, kb, ratio, seconds in rows:
+        stored.setdefault(model, {})[scheme] = {"phone .pte KB": kb, "ratio to first scheme": ratio,
+                                               "first scheme": args.schemes[0], "export s": seconds, "commit": commit}
+    ROWS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
     return 0
 
 

@@ -10,7 +10,9 @@ with one forward and K backward passes, independent of the number of linears. Th
 
 This compares the two on a checkpoint (HF eager forward in fp32, 4 windows of 128 calibration tokens, every linear
 rounded as the quantizer rounds 4-bit block-64 weights): the rank correlation of noise per parameter, the linears
-each keeps at 8 bits within a 25% budget, and the held-out logits SQNR of the resulting mixed weights.
+each keeps at 8 bits within a 25% budget, and the held-out logits SQNR of the resulting mixed weights. Prints a table
+and stores its rows in benchmarks/sensitivity_probe.json, keyed by model folder name and method, with the commit they
+ran on (rows of other models are kept).
 
 Usage: python benchmarks/sensitivity_probe.py MODEL_DIR [MODEL_DIR ...] [--probes 8 16 32]
 """
@@ -18,6 +20,7 @@ Usage: python benchmarks/sensitivity_probe.py MODEL_DIR [MODEL_DIR ...] [--probe
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 BLOCK, CONTEXT, WINDOWS, SHARE = 64, 128, 4, 0.25
+ROWS_FILE = HERE / "sensitivity_probe.json"
 
 
 def windows_of(tokenizer, text: str, count: int) -> list[torch.Tensor]:
@@ -113,6 +117,8 @@ def main() -> int:
 
     print("| model | method | passes (forward + backward) | s | Spearman of noise/param vs exact | kept at 8 bits: "
           "linears (same as exact) | held-out SQNR dB with that plan |\n|---|---|---|---|---|---|---|")
+    stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
+    commit = run.source_commit()
     for model_dir in args.models:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         calibration = windows_of(tokenizer, tiny_gemma4.corpus(), WINDOWS)
@@ -125,11 +131,16 @@ def main() -> int:
             sqnr = {n: min(db_of_noise(v), 200.0) for n, v in noise.items()}
             return set(plan(sqnr, params, budget).kept)
 
+        rows = stored[model_dir.name] = {}
+
         def row(method: str, passes: str, seconds: float, noise: dict[str, float]) -> None:
             kept = kept_by(noise)
             rho = spearman([noise[n] / params[n] for n in params], [exact[n] / params[n] for n in params])
+            held_out_sqnr = mixed_sqnr(model_dir, kept, held_out)
             print(f"| {model_dir.name} | {method} | {passes} | {seconds:.0f} | {rho:.3f} | {len(kept)} "
-                  f"({len(kept & exact_kept)}) | {mixed_sqnr(model_dir, kept, held_out):.2f} |", flush=True)
+                  f"({len(kept & exact_kept)}) | {held_out_sqnr:.2f} |", flush=True)
+            rows[method] = {"passes": passes, "s": seconds, "Spearman vs exact": rho, "kept": len(kept),
+                            "kept as exact": len(kept & exact_kept), "held-out SQNR dB": held_out_sqnr, "commit": commit}
 
         t0 = time.perf_counter()
         exact = exact_noise(model, calibration)
@@ -139,6 +150,7 @@ def main() -> int:
             t0 = time.perf_counter()
             estimate = probe_noise(model, calibration, probes)
             row(f"{probes} random probes", f"1 + {probes}", time.perf_counter() - t0, estimate)
+    ROWS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
     return 0
 
 

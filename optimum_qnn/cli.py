@@ -51,7 +51,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt.add_argument(
         "--quant", default=_DEFAULTS.quant.value, metavar="SCHEME",
         help=f"quantization of the HTP graph: {', '.join(q.value for q in QuantScheme)}, or a recipe: "
-             f"{', '.join(RECIPES)} (16a4w_e2b: 4-bit with an 8-bit sensitivity plan; its plan does not fit Gemma-4-E2B yet; default: %(default)s)",
+             f"{', '.join(RECIPES)} (16a4w_e2b: 4-bit with an 8-bit sensitivity plan; default: %(default)s)",
     )
     opt.add_argument(
         "--size-budget", default=None, metavar="SHARE%|GB",
@@ -95,8 +95,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: uint16, as ExecuTorch's Qualcomm runner expects)")
     mem = parser.add_argument_group("memory")
     mem.add_argument("--shards", type=int, default=None, metavar="N",
-                     help="split the decoder layers into N QNN contexts compiled one at a time: lower peak memory when "
-                          "lowering big models (default: the fewest whose estimated peak fits --max-memory)")
+                     help="split the decoder layers into N QNN contexts, compiled in worker processes (up to one per core, "
+                          "while the estimated peak fits --max-memory): lower peak memory when lowering big models "
+                          "(default: the fewest whose estimated peak fits --max-memory)")
     mem.add_argument("--max-memory", default=None, metavar="GB",
                      help="memory budget of the export; one whose estimated peak exceeds it is refused before loading "
                           "(default: this machine's available memory less 10%%, at least 1 GB)")

@@ -100,7 +100,7 @@ def test_manifest_hashes_the_root_files_the_variant_reads(tmp_path, source, qnn_
     out = tmp_path / "out"
     path = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
     manifest = read_manifest(path)
-    assert manifest.schema_version == "1.2" and manifest.quantization.weight_rounding == "nearest"
+    assert manifest.schema_version == "1.3" and manifest.quantization.weight_rounding == "nearest"
     assert sorted(e.path for e in manifest.root_files) == ["config.json", "generation_config.json", "tokenizer.json"]
     verify_files(path, manifest, root=out)
 
@@ -204,3 +204,26 @@ def test_foreign_index_is_refused_before_any_work(tmp_path):
     (out / INDEX_NAME).write_text(json.dumps({"format": "something-else", "variants": []}))
     with pytest.raises(ArtifactError, match="not an optimum-qnn variant index"):
         check_output_folder(out)
+
+
+def test_context_len_picks_among_variants_and_several_matches_are_refused():
+    from optimum_qnn.artifacts.variants import select_variant
+    from optimum_qnn.runtime.modeling import VariantNotFoundError
+
+    index = {"variants": [
+        {"soc": "SM8650", "quant": "16a8w", "context_len": ctx, "mode": "hybrid", "path": f"qnn/sm8650/16a8w-ctx{ctx}-hybrid"}
+        for ctx in (512, 1024)
+    ]}
+    assert select_variant(index, "sm8650", "16a8w", 1024)["path"] == "qnn/sm8650/16a8w-ctx1024-hybrid"
+    with pytest.raises(VariantNotFoundError, match=r"Several variants match soc=sm8650, quant=16a8w; be more specific. "
+                                                   r"Available: SM8650/16a8w/ctx512/hybrid, SM8650/16a8w/ctx1024/hybrid"):
+        select_variant(index, "sm8650", "16a8w", None)
+
+
+def test_from_pretrained_with_a_context_len_no_variant_has(tmp_path, source, qnn_sdk):
+    from optimum_qnn.runtime.modeling import VariantNotFoundError
+
+    out = tmp_path / "out"
+    writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
+    with pytest.raises(VariantNotFoundError, match=r"context_len=99; available: SM8650/fp16/ctx24/kv"):
+        QNNModelForCausalLM.from_pretrained(out, soc="SM8650", context_len=99)

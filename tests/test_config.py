@@ -133,3 +133,16 @@ def test_check_weight_sharing_flag_reaches_the_export(monkeypatch, tmp_path):
         with pytest.raises(Stop):
             run_export(args)
         assert seen["check_weight_sharing"] is expected
+
+
+def test_export_help_says_what_the_code_does():
+    """The recipe's plan runs at Gemma-4-E2B's size (benchmarks/e2b_full.json "16a4w_e2b:auto"), and shards compile in
+    worker processes (exporter/parallel_compile.py), not one at a time."""
+    from optimum_qnn.exporter import parallel_compile
+
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "does not fit" not in text and "one at a time" not in text
+    assert "compiled in worker processes (up to one per core" in text
+    assert parallel_compile.default_workers.__doc__.startswith("The cores this process may run on")

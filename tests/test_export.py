@@ -243,17 +243,29 @@ def test_too_many_shards_fail_before_calibration(random_model_dir, tmp_path, mon
     assert not any((tmp_path / "out").rglob("model.pte"))
 
 
-def test_stage_peak_rss_is_the_stage_s_own():
+def test_stage_peak_rss_is_the_stage_s_own(monkeypatch):
     """Each stage reports the highest RSS while it ran, not the process's peak so far (which only grows)."""
+    import optimum_qnn.exporter.pipeline as pipeline
     from optimum_qnn.exporter.pipeline import ExportResult, _rss_mb, _stage
 
+    samplers = []
+
+    class Seen(pipeline._RssSampler):
+        def __init__(self) -> None:
+            super().__init__()
+            samplers.append(self)
+
+    monkeypatch.setattr(pipeline, "_RssSampler", Seen)
     result = ExportResult(output=None)
     with _stage(result, "big"):
         block = torch.ones(64 * 2**20 // 4 * 4)  # 256 MB, touched
-        time.sleep(0.3)
+        held = _rss_mb()
+        deadline = time.monotonic() + 120  # until the stage's sampler has seen the block, however loaded the machine
+        while samplers[-1].peak < held - 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
         del block
     with _stage(result, "small"):
-        time.sleep(0.2)
+        pass
     big, small = result.stages
     assert big.peak_rss_mb >= small.peak_rss_mb + 200, result.stage_table()
     assert small.peak_rss_mb <= _rss_mb() + 50

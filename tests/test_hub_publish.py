@@ -67,6 +67,7 @@ def test_model_card_metadata(artifacts, tmp_path):
         assert manifest.target.htp_arch == arch
         row = f"| `qnn/{soc.lower()}/fp16-ctx32-kv` | {soc} | v{arch} | fp16 | 32 | kv |"
         assert row in card.text and manifest.versions.qairt_build_id in card.text
+    assert "](http" not in card.text  # no link out: the repository the card once linked does not exist
 
     # A source given by Hub id becomes base_model.
     folder = tmp_path / "out"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from optimum_qnn.config import (
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.memory import (
     FIT_ERROR_GB,
+    FIT_MAX_ERROR_GB,
     GB_BYTES,
     CgroupFiles,
     ParameterCounts,
@@ -39,7 +40,6 @@ E2B_ROWS = [(row["counts"], row["shards"], row["stages"]) for row in memory_fit.
 # The configuration of those rows.
 E2B_BENCH = ExportConfig(quant=QuantScheme.A16W4_BLOCK, mode=ExportMode.HYBRID, shapes=ShapeConfig(1024, 128),
                          embedding_quant=EmbeddingQuant(4, 32))
-TOLERANCE_GB = 0.6  # what memory.py's docstring claims for the fit
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,11 @@ def test_estimate_reproduces_every_measured_stage(demo_model_dir):
     for counts, config, shards, measured in measured_rows(demo):
         est = estimate(counts, config, shards)
         for stage, gb in measured.items():
-            assert abs(est.stages[stage] - gb) <= TOLERANCE_GB, (len(counts.layers), stage, est.stages[stage], gb)
+            where = (len(counts.layers), shards, stage, est.stages[stage], gb)
+            # what README "Export memory" and memory.py state: within FIT_MAX_ERROR_GB either way, and never below a
+            # measured peak by more than the FIT_ERROR_GB a shard choice keeps to spare (else a chosen plan overruns)
+            assert abs(est.stages[stage] - gb) <= FIT_MAX_ERROR_GB, where
+            assert est.stages[stage] >= gb - FIT_ERROR_GB, where
             checked += 1
     assert checked == len(E2B_ROWS) * 8 + 2
 
@@ -237,16 +241,19 @@ def test_the_refusal_names_the_flags_that_lower_the_estimate(e2b):
 
 def test_cli_refuses_a_half_gigabyte_budget_with_exit_2(random_model_dir, run_python, tmp_path):
     out = tmp_path / "out"
-    t0 = time.perf_counter()
-    proc = run_python("-m", "optimum_qnn", "export", "--model", str(random_model_dir), "--output", str(out),
-                      "--max-memory", "0.5", "--max-seq-len", "64", "--prefill-ar-len", "16", timeout=120)
-    seconds = time.perf_counter() - t0
+    # The weights are not a safetensors file: an export that read any weight would fail otherwise. Seen, not timed.
+    model = tmp_path / "model"
+    shutil.copytree(random_model_dir, model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"not weights")
+    proc = run_python("-m", "optimum_qnn", "export", "--model", str(model), "--output", str(out),
+                      "--max-memory", "0.5", "--max-seq-len", "64", "--prefill-ar-len", "16", timeout=300)
     assert proc.returncode == 2, proc.stderr
     peak = estimate(ParameterCounts.from_config(read_text_config(random_model_dir)), ExportConfig(), 1).peak
     assert f"error: This export needs an estimated {peak:.1f} GB at its peak (lower stage, 1 shard(s))" in proc.stderr
     assert "budget of 0.5 GB (--max-memory)" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
-    assert seconds < 60, seconds  # imports and the meta-device count only: no load, no calibration, no lowering
+    assert "safetensors" not in proc.stderr.lower()  # refused on the meta-device count: no weight was read
 
 
 def test_export_prints_its_choice_before_loading(random_model_dir, tmp_path, monkeypatch, caplog):

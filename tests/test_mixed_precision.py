@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -268,7 +269,7 @@ def test_plan_goes_into_the_manifest_and_model_card():
     from optimum_qnn.artifacts.manifest import Quantization, _build, mixed_precision_section
     from optimum_qnn.quantization.mixed_precision import plan
 
-    made = plan({"a": 20.0, "b": math.inf}, {"a": 10, "b": 10}, SizeBudget(share=0.5))
+    made = plan({"a": 20.0, "b": math.inf}, {"a": 10, "b": 10}, SizeBudget(share=0.5), probes=5)
     quantization = Quantization("16a4w_block", 64, "8,0", 16, [], named_recipe="16a4w_e2b", weight_ranges="output-mse",
                                 mixed_precision=mixed_precision_section(made))
     data = json.loads(json.dumps(quantization, default=lambda o: o.__dict__))  # JSON has no inf: b is stored as 200
@@ -277,6 +278,10 @@ def test_plan_goes_into_the_manifest_and_model_card():
     assert back.mixed_precision.linears[1].sqnr_db == 200.0
     card = _plan_section("qnn/sm8650/16a4w_e2b-ctx128-hybrid", back)
     assert "Recipe `16a4w_e2b`, weight ranges `output-mse`" in card and "| `a` | 10 | 20.0 | 16a8w |" in card
+    # the number of probes is the one the plan used, read from the manifest, not a constant of the card
+    assert back.mixed_precision.sensitivity_probes == 5 and "estimated from 5 random probes" in card
+    unrecorded = dataclasses.replace(back, mixed_precision=dataclasses.replace(back.mixed_precision, sensitivity_probes=None))
+    assert "their number was not recorded" in _plan_section("qnn/sm8650/16a4w_e2b-ctx128-hybrid", unrecorded)
 
 
 # --- what the recipe buys on the demo model ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -33,7 +34,24 @@ def test_streamer_sampling_and_stats(fp16_model):
     assert streamer.ended and streamer.tokens == out[0, 4:].tolist()
     s = fp16_model.stats
     assert s.new_tokens == 8 and s.stopped_by == "max_new_tokens"
-    assert s.time_to_first_token_s > 0 and s.decode_tokens_per_s > 0 and 0 <= s.host_overhead_share < 1
+    assert s.time_to_first_token_s > 0 and s.decode_tokens_per_s > 0
+    # Host overhead is the decode steps' time outside the .pte's execute call. Time spent in the host per step (here
+    # 50 ms before each decode call) is outside it by construction, so the share must cover at least that much.
+    session, host_s = fp16_model.backend.session, 0.05
+    feed = session.feed
+
+    def slow_host_feed(ids):
+        time.sleep(host_s)
+        return feed(ids)
+
+    session.feed = slow_host_feed
+    try:
+        fp16_model.generate(prompt, max_new_tokens=8, eos_token_id=[])
+    finally:
+        del session.feed
+    s = fp16_model.stats
+    # (the prefill call is slowed too, but is not a decode step)
+    assert s.host_overhead_share >= host_s * len(s.step_times) / sum(s.step_times) - 1e-6 > 0, s
     runs = [
         fp16_model.generate(prompt, max_new_tokens=8, do_sample=True, temperature=0.9, top_k=20, top_p=0.9,
                             eos_token_id=[], generator=torch.Generator().manual_seed(7)).tolist()
@@ -234,3 +252,13 @@ def test_truncated_program_with_matching_manifest_is_refused_cleanly(artifact_co
     with pytest.raises(OptimumQnnError, match="corrupt or not an ExecuTorch program"):
         QNNModelForCausalLM.from_pretrained(root)
     assert (root / "qnn_index.json").read_bytes() == index_before  # a refused load writes nothing
+
+
+def test_generation_stops_at_a_callers_eos_on_the_host(fp16_model):
+    """Every other host test passes eos_token_id=[]: here the first greedy token is made the end token."""
+    prompt = torch.tensor([2, 40, 41, 42])
+    free = fp16_model.generate(prompt, max_new_tokens=4, eos_token_id=[])
+    first = int(free[0, prompt.numel()])
+    stopped = fp16_model.generate(prompt, max_new_tokens=4, eos_token_id=[first])
+    assert stopped[0, prompt.numel():].tolist() == [first]
+    assert fp16_model.stats.stopped_by == "eos" and fp16_model.stats.new_tokens == 1

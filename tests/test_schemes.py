@@ -1,18 +1,18 @@
 """Every quant scheme exported from the demo Gemma4 (hybrid, context 128, prefill 16, SM8650) and run on the x86
 emulator against fp32: logits SQNR and top-1 agreement over 91 tokens through prefill chunks and decode steps.
 
-Slow (an export per scheme, about 4 min each): `make test-all`. The configuration is that of
-benchmarks/run.py. This test scores both methods over the same 91 tokens; benchmarks/RESULTS.md's "decode SQNR"
-column scores the decode method alone over them, and its "top-1" column is over the 1024 perplexity tokens, so the
-two agree only roughly. The floors sit just under what was measured when they were set (commit 3b58742, before
-RESULTS.md existed):
+Slow (an export per scheme, about 4 min each): `make test-all`. The configuration is benchmarks/run.py's but for the
+CPU embedding tables: 8-bit per row symmetric here (`EmbeddingQuant(8, 0)`), with zero points there (`8,0,asym`,
+run.scheme_config), so the figures here and RESULTS.md's do not compare directly; RESULTS.md's "decode SQNR" also
+scores the decode method alone, and its "top-1" the 1024 perplexity tokens. The floors sit just under what this test
+measured when they were set (commit 3b58742):
 
-    scheme          SQNR dB   top-1      floor dB   floor top-1   RESULTS.md decode SQNR dB
-    16a16w           46.8     0.99         45          0.97          50.8
-    16a8w            44.5     0.99         43          0.97          46.3
-    16a4w            21.3     0.80         20          0.75          21.3
-    16a4w_block64    21.9     0.89         20.5        0.85          21.9
-    8a8w             24.3     0.79         23          0.75          25.3
+    scheme          SQNR dB   top-1      floor dB   floor top-1
+    16a16w           46.8     0.99         45          0.97
+    16a8w            44.5     0.99         43          0.97
+    16a4w            21.3     0.80         20          0.75
+    16a4w_block64    21.9     0.89         20.5        0.85
+    8a8w             24.3     0.79         23          0.75
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ def model_card(output_dir: str | Path) -> str:
             f"# {title} for Qualcomm HTP (ExecuTorch + QNN)",
             "",
             (
-                "Gemma4 exported with [optimum-qnn](https://github.com/huggingface/optimum-qnn) to ExecuTorch `.pte`"
+                "Gemma4 exported with optimum-qnn to ExecuTorch `.pte`"
                 " programs delegated to the Qualcomm QNN HTP backend. Each variant folder holds `model.pte` and a"
                 " `manifest.json` (runner contract, quantization, sha256 of every file); `qnn_index.json` lists them."
             ),
@@ -299,6 +299,8 @@ def _plan_section(path: str, quantization) -> str:
     """A variant's mixed-precision plan: the linears kept at 8 bits and why (their measured sensitivity)."""
     plan = quantization.mixed_precision
     kept = [r for r in plan.linears if r.kept]
+    how = (f"estimated from {plan.sensitivity_probes} random probes" if plan.sensitivity_probes
+           else "estimated from random probes; their number was not recorded")
     lines = [
         f"## Mixed precision of `{path}`",
         "",
@@ -308,7 +310,7 @@ def _plan_section(path: str, quantization) -> str:
         f"({plan.kept_share:.1%} of their weights) stay at {plan.kept_scheme}: those whose 4-bit rounding alone cost "
         "the logits most per parameter on the calibration text.",
         "",
-        "| linear | parameters | logits SQNR with only it at 4 bits (dB, estimated from 8 random probes) | kept at |",
+        f"| linear | parameters | logits SQNR with only it at 4 bits (dB, {how}) | kept at |",
         "|---|---|---|---|",
     ]
     lines += [f"| `{r.module}` | {r.params} | {r.sqnr_db:.1f} | {plan.kept_scheme if r.kept else '4-bit'} |" for r in plan.linears]

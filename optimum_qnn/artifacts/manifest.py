@@ -24,8 +24,9 @@ from typing import Any, Union
 from optimum_qnn.errors import OptimumQnnError
 
 # 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified). 1.2 added
-# `quantization.weight_rounding` (absent: "nearest").
-SCHEMA_VERSION = "1.2"
+# `quantization.weight_rounding` (absent: "nearest"). 1.3 added `mixed_precision.sensitivity_probes` (absent: not
+# recorded).
+SCHEMA_VERSION = "1.3"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -90,6 +91,7 @@ class MixedPrecision:
     kept_scheme: str
     kept_share: float  # of the linear weights' parameters
     linears: list[LinearPlanRow]
+    sensitivity_probes: int | None = None  # random probes the sensitivities were estimated from (absent before 1.3)
 
 
 @dataclass(frozen=True)
@@ -423,7 +425,7 @@ def mixed_precision_section(plan) -> MixedPrecision | None:
     if plan is None:
         return None
     rows = [LinearPlanRow(r.module, r.params, round(min(r.sqnr_db, 200.0), 2), r.kept) for r in plan.rows]  # JSON has no inf
-    return MixedPrecision(plan.budget, plan.high.value, round(plan.kept_share, 4), rows)
+    return MixedPrecision(plan.budget, plan.high.value, round(plan.kept_share, 4), rows, plan.probes)
 
 
 def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Contract:

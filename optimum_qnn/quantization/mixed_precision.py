@@ -14,9 +14,8 @@ exporter estimates it instead (`probe_sensitivity`): to first order the logits m
 random Gaussian ``v`` over the logits, ``E[(v . J_i dW_i x)^2] = |J_i dW_i x|^2``. One backward pass of
 ``v . logits`` gives the gradient at every linear's output, and its dot product with ``dW_i x`` is
 ``v . J_i dW_i x`` for all linears at once: 8 probes cost one forward and 8 backward passes whatever the number of
-linears. Measured against the exact plan
-(benchmarks/sensitivity_probe.py, QUANT_NOTES.md section 10): rank correlation 0.95-0.96 of noise per parameter,
-and the plans' held-out SQNR within 0.02 dB (demo) and 0.19 dB (benchmark model).
+linears. How well that ranking matches the exact plan is measured by benchmarks/sensitivity_probe.py, whose rows
+(rank correlation, linears kept, held-out SQNR) are in benchmarks/sensitivity_probe.json and QUANT_NOTES.md section 10.
 """
 
 from __future__ import annotations
@@ -61,11 +60,13 @@ class MixedPlan:
         budget: the `--size-budget` it was planned within, e.g. `25%`.
         high: the scheme kept linears get (`16a8w`).
         rows: every linear, most sensitive per parameter first.
+        probes: the random probes the sensitivities were estimated from (None: measured otherwise, e.g. exactly).
     """
 
     budget: str
     high: QuantScheme
     rows: tuple[LinearSensitivity, ...]
+    probes: int | None = None
 
     @property
     def kept(self) -> tuple[str, ...]:
@@ -154,8 +155,8 @@ class _StoredWeightLinear(torch.autograd.Function):
         return grad @ weight.to(grad.dtype), None, None
 
 
-# Random probes of the logits' gradient per sensitivity estimate (rank correlation with the exact measure: 0.95 at
-# 8, 0.96 at 32 on the demo and benchmark models).
+# Random probes of the logits' gradient per sensitivity estimate (how their ranking compares with the exact measure
+# at 8, 16 and 32: benchmarks/sensitivity_probe.json).
 PROBES = 8
 
 
@@ -248,9 +249,10 @@ def probe_sensitivity(
 
 def plan(
     sensitivity: Mapping[str, float], params: Mapping[str, int], budget: SizeBudget,
-    high: QuantScheme = QuantScheme.A16W8,
+    high: QuantScheme = QuantScheme.A16W8, probes: int | None = None,
 ) -> MixedPlan:
-    """Keep linears at `high` in order of logit noise per parameter while the budget allows.
+    """Keep linears at `high` in order of logit noise per parameter while the budget allows; `probes` records how
+    many random probes estimated `sensitivity` (`probe_sensitivity`), None when it was measured otherwise.
 
     Ranking by noise per parameter is the greedy answer to "most noise removed per byte spent"; a linear that
     does not fit is skipped and smaller ones further down may still fit.
@@ -267,4 +269,4 @@ def plan(
         keep = noise_of_db(sensitivity[name]) > 0 and used + params[name] <= allowed
         used += params[name] if keep else 0
         rows.append(LinearSensitivity(name, params[name], round(sensitivity[name], 2), keep))
-    return MixedPlan(str(budget), high, tuple(rows))
+    return MixedPlan(str(budget), high, tuple(rows), probes)

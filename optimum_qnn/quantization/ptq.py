@@ -139,9 +139,10 @@ def _plan_weights(static, config: ExportConfig, seqs: list[list[int]], calibrate
         sensitivity = mixed_precision.probe_sensitivity(
             static.module, linears, lambda: torch.cat(_feed(_probe_session(static), calibrate_on, samples)),
             lambda linear: weight_search.block_of(linear, scheme_block),
-            progress=lambda steps: bar(steps, "Probing sensitivity", "probe"),
+            probes=mixed_precision.PROBES, progress=lambda steps: bar(steps, "Probing sensitivity", "probe"),
         )
-        plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget)
+        plan = mixed_precision.plan(sensitivity, {n: m.weight.numel() for n, m in linears.items()}, config.size_budget,
+                                    probes=mixed_precision.PROBES)
         logger.info("%s", plan.table())
     kept = set(plan.kept) if plan is not None else set()
     searched = {n: m for n, m in linears.items() if n not in kept}

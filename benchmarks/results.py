@@ -1,0 +1,355 @@
+"""benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json
+(e2b_full.py), phone_size.json (phone_size.py) and sensitivity_probe.json (sensitivity_probe.py). Nothing here
+measures; `lookup` resolves the row keys that README.md quotes figures under (tests/test_figures.py checks them).
+
+Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import e2b_full  # noqa: E402
+import e2b_width  # noqa: E402
+import io_bytes  # noqa: E402
+import peer  # noqa: E402
+import run  # noqa: E402
+import tiny_gemma4  # noqa: E402
+import weight_stats  # noqa: E402
+
+RESULTS_FILE = HERE / "RESULTS.md"
+
+
+def stored(name: str) -> dict:
+    """A benchmarks/*.json file's rows ({} when the script that writes it has not run)."""
+    path = HERE / name
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+FORMATS = {"host overhead": "{:.1%}", "top-1": "{:.3f}", "size / bound": "{:.2f}x", "PPL fp32": "{:.2f}", "PPL .pte": "{:.2f}"}
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def scheme_table(rows: list[dict], steps: int) -> str:
+    """One line per row; a column a row does not have (measured before the column existed) shows `-`."""
+    header = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in ("eval tokens", "stages", "model", "commit")]
+    header.append("commit")
+    cells = []
+    for row in rows:
+        line = [row["scheme"]]
+        for key in header[1:]:
+            if key == "commit":
+                line.append(row.get("commit", "not recorded"))
+                continue
+            value = row.get(key)
+            if value is None:
+                line.append("-")
+            elif key == "greedy, held-out prompts":
+                line.append(f"median {statistics.median(value):.0f}: " + " ".join(str(v) for v in value))
+            else:
+                fmt = "{:d}/" + str(steps) if key == "greedy = HF" else FORMATS.get(key, "{:.1f}")
+                line.append(fmt.format(value))
+        cells.append(line)
+    return markdown(header, cells)
+
+
+def runs_note(rows: list[dict]) -> str:
+    """When a table's rows come from more than one run (their fp32 perplexities differ: another build of the model
+    or of the held-out text), which rows belong together: figures compare only within one run."""
+    runs: dict[str, list[str]] = {}
+    for row in rows:
+        runs.setdefault(f"{row['PPL fp32']:.2f}", []).append(row["scheme"])
+    if len(runs) < 2:
+        return ""
+    groups = "; ".join(f"fp32 perplexity {ppl}: {', '.join(schemes)}" for ppl, schemes in runs.items())
+    return (f"\nThese rows come from {len(runs)} measurement runs ({groups}); compare figures only among the rows of "
+            "one run.\n")
+
+
+def linear_params(weights: dict | None, model: str) -> float:
+    """Parameters in a model's HTP linears: the sum over the linear classes of its weight-statistics rows."""
+    return sum(row["params"] for row in (weights or {}).get(model, {}).values()) if weights else float("nan")
+
+
+def bench_section(rows: list[dict] | None, weights: dict | None, steps: int) -> str:
+    """The larger benchmark model's rows, and how heavy-tailed both models' weights are."""
+    text = ""
+    if rows:
+        text += (
+            "\n## The larger benchmark model: 16a8w, 16a4w_block and the 16a4w_e2b recipe\n\n"
+            f"Model: examples/tiny_gemma4.py --size bench ({linear_params(weights, 'bench') / 1e6:.2f} M parameters in "
+            "HTP linears, counting the lm_head's copy of the tied token table (the \"weights\" rows below); every Gemma4 "
+            f"trait on; 8 layers, hidden 384, head_dim 64/128, vocabulary 2048; trained here for "
+            f"{tiny_gemma4.SIZES['bench'].steps} steps), measured exactly as the demo model above (same calibration, "
+            "held-out text, prompts and emulator).\n\n"
+            + scheme_table(rows, steps) + "\n" + runs_note(rows)
+        )
+    if weights:
+        text += (
+            "\n## How heavy-tailed the weights are\n\n"
+            "benchmarks/weight_stats.py, per output channel of each HTP linear: Pearson kurtosis (Gaussian: 3) and "
+            "max |w| / mean |w|; median and maximum over the class's channels, and in brackets the maximum for "
+            "Gaussian weights of the same shapes (what chance alone gives). Published figures for real LLMs are in "
+            "benchmarks/QUANT_NOTES.md.\n\n" + weight_stats.table(weights) + "\n"
+        )
+    return text
+
+
+def merge_rows(stored: list[dict], measured: list[dict]) -> list[dict]:
+    """The stored rows with the freshly measured ones in place of those of the same scheme (new ones appended)."""
+    fresh = {r["scheme"]: r for r in measured}
+    merged = [fresh.pop(r["scheme"], r) for r in stored]
+    return merged + list(fresh.values())
+
+
+def fit_layers(points: list[tuple[float, float]], target: float) -> tuple[float, float]:
+    """Least-squares line through (layer parameters, y); returns (slope per parameter, value at `target`)."""
+    xs, ys = zip(*points)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    return slope, my + slope * (target - mx)
+
+
+def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
+    """The per-stage table (wall s / peak RSS GB), with per-layer costs and the 35-layer extrapolation."""
+    header = ["model", *[f"{s} s / GB" for s in run.STAGES], "total s", "peak GB"]
+
+    def line(name: str, stages: dict[str, list[float]], total_s: float | None = None, peak: float | None = None) -> list[str]:
+        cells = [name]
+        for s in run.STAGES:
+            sec, mb = stages.get(s, [0.0, 0.0])
+            cells.append(f"{sec:.0f} / {mb / 1024:.1f}")
+        total_s = sum(c[0] for c in stages.values()) if total_s is None else total_s
+        peak = max(c[1] for c in stages.values()) / 1024 if peak is None else peak
+        cells += [f"{total_s:.0f}", f"{peak:.1f}"]
+        return cells
+
+    rows, notes = [], []
+    if demo is not None:
+        rows.append(line(f"demo Gemma4 ({demo['scheme']}, hybrid, ctx {run.CONTEXT})", demo["stages"]))
+    full_layers = e2b_width.depth_parameters(e2b_width.e2b_config())
+    per_layer_params = full_layers / e2b_width.E2B_LAYERS
+    xs = {}
+    for r in e2b:
+        xs[r["depth"]] = e2b_width.depth_parameters(e2b_width.e2b_config(r["depth"], run.DEPTHS[r["depth"]]))
+        rows.append(line(f"E2B widths, {r['depth']} layers ({run.DEPTHS[r['depth']]} reuse KV)", r["stages"]))
+    if len(e2b) >= 2:
+        slope_row, extra_row = {}, {}
+        for s in run.STAGES:
+            slope_t, at_t = fit_layers([(xs[r["depth"]], r["stages"][s][0]) for r in e2b], full_layers)
+            slope_m, at_m = fit_layers([(xs[r["depth"]], r["stages"][s][1]) for r in e2b], full_layers)
+            slope_row[s] = [slope_t * per_layer_params, slope_m * per_layer_params]
+            extra_row[s] = [at_t, at_m]
+        rows.append(line("per E2B layer (fit, see below)", slope_row, peak=max(v[1] for v in slope_row.values()) / 1024))
+        rows.append(line("**extrapolated: E2B, 35 layers**", extra_row))
+        total = sum(v[0] for v in extra_row.values())
+        peak = max(v[1] for v in extra_row.values()) / 1024
+        notes.append(
+            f"Extrapolated full Gemma-4-E2B export ({run.E2B_SCHEME}, hybrid, weights shared, "
+            f"{e2b_width.E2B_LAYERS // run.E2B_LAYERS_PER_SHARD} shards): about {total / 60:.0f} min and "
+            f"{peak:.1f} GB peak RSS. This is an extrapolation, not a measurement. The rows of this table were "
+            "measured on an earlier pipeline (before the bf16 weights kept in the checkpoint's pages, the parallel shard "
+            "compiles and the streamed program); the full-size measurements below supersede the extrapolation."
+        )
+    return markdown(header, rows), notes
+
+
+def peer_table(ours: dict[str, peer.ProcessCost], theirs: peer.ProcessCost) -> str:
+    header = ["exporter", "what it builds", "wall s", "peak RSS MB", "wall / peer", "RSS / peer"]
+    rows = [[f"optimum-executorch 1.1.0 `--recipe xnnpack --max_seq_len {run.CONTEXT}`", "XNNPACK fp32, one token per call",
+             f"{theirs.wall_s:.0f}", f"{theirs.peak_rss_mb:.0f}", "1.00x", "1.00x"]]
+    for what, cost in ours.items():
+        rows.append(["optimum-qnn `export qnn`", what, f"{cost.wall_s:.0f}", f"{cost.peak_rss_mb:.0f}",
+                     f"{cost.wall_s / theirs.wall_s:.2f}x", f"{cost.peak_rss_mb / theirs.peak_rss_mb:.2f}x"])
+    return markdown(header, rows)
+
+
+IO_SECTION = (
+    "\n## Graph IO per call at Gemma-4-E2B widths\n\n"
+    "What crosses the graph boundary per call (benchmarks/io_bytes.py; sizes from the runner contract of E2B's "
+    "published text config, prefill 128, so exact rather than sampled): quantized exports pass the masks, KV caches "
+    "and logits as uint16 (the default), `--float-io` as float32.\n\n"
+)
+
+
+def render(results: dict) -> str:
+    """RESULTS.md's text from benchmarks/rows.json's content (and the other stored rows)."""
+    minutes = results["minutes"]
+    rows, e2b = results["schemes"], results["e2b"]
+    settings = results.get("settings") or {"steps": 32, "runs": 2}  # the defaults the older rows were measured with
+    steps, runs = settings["steps"], settings["runs"]
+    theirs = peer.ProcessCost(**results["peer"]["theirs"])
+    peer_text = peer_table({k: peer.ProcessCost(**v) for k, v in results["peer"]["ours"].items()}, theirs)
+    demo_cost = next((r for r in rows if r["scheme"] == "16a8w"), rows[0] if rows else None)
+    cost_text, notes = cost_tables(demo_cost, e2b)
+    text = (
+        "# Benchmarks\n\n"
+        f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
+        "e2b_full.json, phone_size.json, sensitivity_probe.json) by benchmarks/results.py; a row's `commit` column is "
+        "the commit it was measured on (`not recorded`: measured before rows recorded it). "
+        "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
+        f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
+        "## Export cost per stage\n\n"
+        "Wall seconds and the highest RSS of the export process while the stage ran (sampled every 50 ms), from load "
+        "to write; each export runs in its own process.\n\n"
+        f"- demo Gemma4: examples/tiny_gemma4.py (every trait on, {rows and 'trained here'}), SM8650.\n"
+        f"- E2B widths: benchmarks/e2b_width.py, Gemma-4-E2B's real widths (hidden 1536, 8 heads, 1 KV head, "
+        "head_dim 256/512, MLP 6144/12288, vocab 262144, per-layer embeddings 256 per layer) with random bf16 "
+        f"weights at reduced depth; {run.E2B_SCHEME}, hybrid (prefill {run.E2B_PREFILL} + decode), context {run.E2B_CONTEXT}, "
+        "weights shared between the two graphs (the phone build), 4-bit embedding tables, SM8650, calibration on "
+        f"random ids (no tokenizer), `--shards` = layers / {run.E2B_LAYERS_PER_SHARD} (one HTP context per "
+        f"{run.E2B_LAYERS_PER_SHARD} layer(s), compiled one at a time).\n"
+        "- per E2B layer: the slope of a line through the measured depths against the parameters that grow with "
+        "depth (decoder layers, and the per-layer embedding table, 256 columns per layer), times those of an "
+        "average E2B layer (120 M: 53 M in the layer, KV-reusing layers having a double-wide MLP, and 67 M of "
+        "table). The extrapolated row is that line at E2B's 35 layers (4.21 B such parameters); the token table "
+        "and lm_head are in the intercept. Peak RSS is fitted per stage and the maximum taken. It is an "
+        "extrapolation from two depths, not a measurement.\n\n"
+        + cost_text + "\n\n" + "".join(f"{n}\n\n" for n in notes)
+        + e2b_full.section()
+        + ("## Side by side with optimum-executorch\n\n"
+           "Both as fresh `optimum-cli` processes on the same tiny model (import time included; peak RSS of the "
+           "process): the demo Gemma4's config with one head layout on every layer (optimum-executorch sizes its KV "
+           "cache from the global `num_key_value_heads`/`head_dim`, which the demo's mixed 32/64 head_dim does not "
+           "have; every other trait on), random weights (benchmarks/peer.py). optimum-executorch 1.1.0 is installed "
+           "with `--no-deps` beside this stack (it pins transformers 5.0.0rc1, which has no Gemma4); its XNNPACK "
+           "recipe exports fp32 weights with no calibration and takes one token per call, so the like-for-like row "
+           "is our fp16 decode-only export. Ratios are against the peer.\n\n" + peer_text + "\n\n"
+           if peer_text else "")
+        + "## Accuracy, size and runtime per quant scheme\n\n"
+        f"Model: the demo Gemma4 (examples/tiny_gemma4.py: every trait on, trained on CPython's `pydoc_data.topics`), "
+        f"hybrid, context {run.CONTEXT}, prefill {run.PREFILL}, SM8650, run on the x86 HTP emulator. CPU embedding tables: "
+        "float for fp16, 8-bit per row otherwise.\n\n"
+        "- export s / peak RSS MB: load to write, in-process (import not included).\n"
+        "- size / bound: the .pte against parameters x bits (HTP weights at the scheme's width including the lm_head "
+        "copy, embedding tables at theirs). These emulator builds have weight sharing off, so the prefill and decode "
+        "graphs each hold the HTP weights: about 2x is expected; a phone build (weight sharing on) stores them once.\n"
+        + (f"- PPL: perplexity on {rows[0]['eval tokens']} held-out tokens (docstrings of the standard-library modules "
+           f"{', '.join(run.HELD_OUT_MODULES)}), fp32 Hugging Face vs the .pte, in windows of the context "
+           "(`optimum-cli export qnn --evaluate`); SQNR and top-1 are the logits over the same tokens.\n" if rows else "")
+        + "- decode SQNR: 91 tokens fed one by one through the decode method only, against fp32.\n"
+        f"- greedy = HF: of {steps} new tokens, how many equal Hugging Face `generate` before the first difference, "
+        "after the benchmark prompt (ids 40-71). greedy, held-out prompts: the same after each of "
+        f"{run.GREEDY_PROMPTS} prompts of {run.GREEDY_PROMPT_TOKENS} tokens (BOS and the start of the docstring of "
+        f"{', '.join(run.HELD_OUT_MODULES[:run.GREEDY_PROMPTS])}): their median, then each.\n"
+        f"- TTFT, tok/s and host overhead (the share of a decode step spent outside the .pte's execute call): a 33-token "
+        f"prompt, {steps} decode steps, median of {runs} runs. Emulator speed says nothing about a phone's "
+        "speed.\n\n"
+        + (scheme_table(rows, steps) + "\n" + runs_note(rows) if rows else "(no scheme run)\n")
+        + bench_section(results.get("bench"), results.get("weights"), steps)
+        + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
+        + IO_SECTION + io_bytes.table() + "\n"
+    )
+    return text
+
+
+def phone_section(rows: dict) -> str:
+    """The phone build's size (weights shared) per model and scheme, against the first scheme measured."""
+    if not rows:
+        return ""
+    lines = []
+    for model, schemes in rows.items():
+        for scheme, row in schemes.items():
+            lines.append([model, scheme, f"{row['phone .pte KB']:.1f}",
+                          f"{row['ratio to first scheme']:.3f}x (/ {row['first scheme']})", row.get("commit", "not recorded")])
+    return (
+        "\n## Phone build size (weights shared)\n\n"
+        "benchmarks/phone_size.py: the same exports as above with weight sharing on (the build a phone gets, which "
+        "the x86 emulator cannot load), so the HTP weights are stored once; the ratio is against plain 16a4w_block "
+        "of the same model.\n\n"
+        + markdown(["model", "scheme", "phone .pte KB", "size against", "commit"], lines) + "\n"
+    )
+
+
+def probe_section(rows: dict) -> str:
+    """The sensitivity plan's random probes against the exact plan (one model pass per linear)."""
+    if not rows:
+        return ""
+    lines = [[model, method, r["passes"], f"{r['s']:.0f}", f"{r['Spearman vs exact']:.3f}",
+              f"{r['kept']} ({r['kept as exact']})", f"{r['held-out SQNR dB']:.2f}", r.get("commit", "not recorded")]
+             for model, methods in rows.items() for method, r in methods.items()]
+    return (
+        "\n## Sensitivity plan: random probes against the exact plan\n\n"
+        "benchmarks/sensitivity_probe.py (HF eager fp32, 4 windows of 128 calibration tokens, 4-bit block-64 "
+        "rounding): Spearman rank correlation of noise per parameter with the exact plan's, the linears each plan "
+        "keeps at 8 bits within 25% (in brackets: as the exact plan), and the held-out logits SQNR of that plan's "
+        "weights (weight-only, the rest 4-bit).\n\n"
+        + markdown(["model", "method", "passes (forward + backward)", "s", "Spearman vs exact", "kept (same as exact)",
+                    "held-out SQNR dB", "commit"], lines) + "\n"
+    )
+
+
+def lookup(key: str) -> float:
+    """The value a README figure quotes, by its row key: `FILE:PATH[|OP]`.
+
+    FILE is a benchmarks/*.json name without `.json`; PATH walks it by `/`, and a list of rows is entered by the row
+    whose `scheme` (or `depth`) is the next part. OP turns the value into what the prose shows: `median` (of a list),
+    `min` (seconds to minutes), `%` (a fraction to percent), `/KEY` (the ratio to another row's value), `-KEY` (the
+    difference), `rel%KEY` (the change against another row's value, in percent).
+
+    Raises:
+        KeyError: naming the part of the key that no row has.
+    """
+    key, _, op = key.partition("|")
+    name, _, path = key.partition(":")
+    value = stored(name + ".json")
+    if not value:
+        raise KeyError(f"no stored rows in benchmarks/{name}.json")
+    parts, i = path.split("/"), 0
+    while i < len(parts):
+        part = parts[i]
+        if isinstance(value, dict):
+            # a field's name may hold a slash ("decode tok/s"): the longest run of parts that is a field
+            part = next(("/".join(parts[i:j]) for j in range(len(parts), i, -1) if "/".join(parts[i:j]) in value), part)
+            if part not in value:
+                raise KeyError(f"{key}: no {part!r}")
+            value = value[part]
+        elif part.isdigit() and not any(isinstance(r, (dict, list)) for r in value):
+            value = value[int(part)]  # a position in a row: [stage, seconds, GB]
+        else:
+            # a row of a list: a table row by its first cell (a stage's name), a benchmark row by scheme or depth
+            found = [r for r in value if (r[0] if isinstance(r, list) else str(r.get("scheme", r.get("depth")))) == part]
+            if not found:
+                raise KeyError(f"{key}: no row {part!r}")
+            value = found[0]
+        i += part.count("/") + 1
+    if op == "median":
+        return float(statistics.median(value))
+    if op == "min":
+        return value / 60
+    if op == "%":
+        return value * 100
+    if op.startswith("rel%"):
+        return (value / lookup(op[4:]) - 1) * 100
+    if op.startswith("/"):
+        return value / lookup(op[1:])
+    if op.startswith("-"):
+        return value - lookup(op[1:])
+    if op:
+        raise KeyError(f"{key}: unknown operation {op!r}")
+    return float(value)
+
+
+def write() -> str:
+    """Render RESULTS.md from the stored rows, write it, and return its text."""
+    text = render(stored("rows.json"))
+    RESULTS_FILE.write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    write()
+    print(f"wrote {RESULTS_FILE}")
