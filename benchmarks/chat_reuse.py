@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
 CONTEXT, CHUNK, REPLY = 512, 32, 16
 # Five user turns of a typical chat's length (20-40 tokens each with the template's markers).
@@ -97,7 +98,10 @@ def main() -> int:
     for row in rows:
         print(f"| {row['turn']} | {row['prompt_tokens']} | {row['reused_tokens']} | {row['prefilled_tokens']} | "
               f"{row['ttft_reuse_s']:.3f} | {row['ttft_full_s']:.3f} | {row['ratio']:.2f} |")
-    print(f"\nstored in {HERE / 'chat_reuse.json'} (commit {commit})")
+    import results
+
+    results.write()
+    print(f"\nstored in {HERE / 'chat_reuse.json'} (commit {commit}); benchmarks/RESULTS.md rendered again")
     return 0
 
 

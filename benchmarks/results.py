@@ -1,5 +1,6 @@
 """benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json
-(e2b_full.py), phone_size.json (phone_size.py) and sensitivity_probe.json (sensitivity_probe.py). Nothing here
+(e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py) and chat_reuse.json
+(chat_reuse.py). Nothing here
 measures; `lookup` resolves the row keys that README.md quotes figures under (tests/test_figures.py checks them).
 
 Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
@@ -251,6 +252,7 @@ def render(results: dict) -> str:
         + (scheme_table(rows, steps) + "\n" + runs_note(rows) if rows else "(no scheme run)\n")
         + bench_section(results.get("bench"), results.get("weights"), steps)
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
+        + chat_section(stored("chat_reuse.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text
@@ -271,6 +273,23 @@ def phone_section(rows: dict) -> str:
         "the x86 emulator cannot load), so the HTP weights are stored once; the ratio is against plain 16a4w_block "
         "of the same model.\n\n"
         + markdown(["model", "scheme", "phone .pte KB", "size against", "commit"], lines) + "\n"
+    )
+
+
+def chat_section(rows: dict) -> str:
+    """A conversation's time to first token per turn, with the cache kept against a full re-prefill."""
+    if not rows:
+        return ""
+    lines = [[str(t["turn"]), str(t["prompt_tokens"]), str(t["reused_tokens"]), str(t["prefilled_tokens"]),
+              f"{t['ttft_reuse_s']:.3f}", f"{t['ttft_full_s']:.3f}", f"{t['ratio']:.2f}x"] for t in rows["turns"]]
+    return (
+        "\n## Conversations: time to first token with the cache kept\n\n"
+        f"benchmarks/chat_reuse.py ({rows['model']}, {rows['export']}, commit {rows['commit']}): one 5-turn "
+        f"conversation through `model.chat()` (each turn prefills only its own tokens; replies of up to "
+        f"{rows['reply_tokens']} tokens), then each turn's whole prompt through `generate` from an empty cache, in "
+        f"the same run; medians of {rows['repeats']} conversations. The ratio is reuse / full re-prefill.\n\n"
+        + markdown(["turn", "prompt tokens", "reused", "prefilled", "first token, reuse (s)",
+                    "first token, full prefill (s)", "ratio"], lines) + "\n"
     )
 
 
@@ -296,7 +315,7 @@ def lookup(key: str) -> float:
     """The value a README figure quotes, by its row key: `FILE:PATH[|OP]`.
 
     FILE is a benchmarks/*.json name without `.json`; PATH walks it by `/`, and a list of rows is entered by the row
-    whose `scheme` (or `depth`) is the next part. OP turns the value into what the prose shows: `median` (of a list),
+    whose `scheme` (or `depth`, or `turn`) is the next part. OP turns the value into what the prose shows: `median` (of a list),
     `min` (seconds to minutes), `%` (a fraction to percent), `/KEY` (the ratio to another row's value), `-KEY` (the
     difference), `rel%KEY` (the change against another row's value, in percent).
 
@@ -320,8 +339,9 @@ def lookup(key: str) -> float:
         elif part.isdigit() and not any(isinstance(r, (dict, list)) for r in value):
             value = value[int(part)]  # a position in a row: [stage, seconds, GB]
         else:
-            # a row of a list: a table row by its first cell (a stage's name), a benchmark row by scheme or depth
-            found = [r for r in value if (r[0] if isinstance(r, list) else str(r.get("scheme", r.get("depth")))) == part]
+            # a row of a list: a table row by its first cell (a stage's name), a benchmark row by scheme, depth or turn
+            found = [r for r in value
+                     if (r[0] if isinstance(r, list) else str(r.get("scheme", r.get("depth", r.get("turn"))))) == part]
             if not found:
                 raise KeyError(f"{key}: no row {part!r}")
             value = found[0]
