@@ -126,20 +126,27 @@ class ArchLimit:
     instead: str
 
 
-# Keyed by what the export chooses. Each limit is measured on the emulator by tests/test_socs_emulator.py.
+# Keyed by feature; `scheme_features` says which a quant scheme uses. Each limit is measured on the x86 emulator
+# (QAIRT 2.49.40) by tests/test_socs_emulator.py.
 ARCH_LIMITS: dict[str, ArchLimit] = {
+    "16-bit activations": ArchLimit(
+        "16-bit activations (the attention's activation-by-activation MatMul)", 73,
+        "QNN's op validation, measured on the emulator: a MatMul of two 16-bit activations fails on v68 and v69 "
+        "with 'has incorrect Value 68, expected >= 73' (QnnBackend_validateOpConfig 3110)",
+        "--quant 8a8w",
+    ),
     "fp16": ArchLimit(
         "HTP fp16 precision", 69,
         "ExecuTorch generate_htp_compiler_spec: 'Only premium tier SoC like Snapdragon 8 Gen 1 or newer can support "
         "HTP fp16' (backends/qualcomm/utils/utils.py)",
-        "a quantized scheme: --quant 16a8w",
+        "--quant 8a8w",
     ),
-    "16a16w": ArchLimit(
+    "16-bit weights": ArchLimit(
         "16-bit activations with 16-bit weights", 73,
         "ExecuTorch validate_16a16w_support: htp_arch >= V73 (backends/qualcomm/quantizer/annotators/htp_rules.py)",
         "--quant 16a8w",
     ),
-    "16a4w_block": ArchLimit(
+    "LPBQ": ArchLimit(
         "block-wise 4-bit weights (LPBQ)", 69,
         "ExecuTorch validate_lpbq_support: htp_arch >= V69 (backends/qualcomm/quantizer/annotators/htp_rules.py)",
         "--quant 16a4w (per-channel 4-bit weights)",
@@ -147,25 +154,35 @@ ARCH_LIMITS: dict[str, ArchLimit] = {
 }
 
 
+_SCHEME_FEATURES = {"16a16w": ["16-bit weights"], "16a4w_block": ["LPBQ"]}
+
+
+def scheme_features(scheme: str) -> list[str]:
+    """The ARCH_LIMITS features a quant scheme's value uses: ``16a4w_block`` -> 16-bit activations and LPBQ."""
+    if scheme == "fp16":
+        return ["fp16"]
+    return (["16-bit activations"] if scheme.startswith("16a") else []) + _SCHEME_FEATURES.get(scheme, [])
+
+
 def arch_supports(arch: int, feature: str) -> bool:
-    """Whether HTP `arch` can run `feature` (a key of ARCH_LIMITS, e.g. a quant scheme's value)."""
-    limit = ARCH_LIMITS.get(feature)
-    return limit is None or arch >= limit.min_arch
+    """Whether HTP `arch` can run `feature`: a key of ARCH_LIMITS, or a quant scheme's value (all it uses)."""
+    features = [feature] if feature in ARCH_LIMITS else scheme_features(feature)
+    return all(arch >= ARCH_LIMITS[f].min_arch for f in features)
 
 
-def check_supported(soc: Soc, features: list[str]) -> None:
-    """Refuse the first feature in `features` (quant scheme values) that `soc`'s HTP lacks, naming the fix.
+def check_supported(soc: Soc, schemes: list[str]) -> None:
+    """Refuse the first feature of `schemes` (quant scheme values) that `soc`'s HTP lacks, naming the fix.
 
     Raises:
         UnsupportedOnSocError: naming the SoC, the reason with its source, and the nearest working choice.
     """
-    for feature in features:
-        if arch_supports(soc.htp_arch, feature):
-            continue
+    lacking = [(s, f) for s in schemes for f in scheme_features(s) if not arch_supports(soc.htp_arch, f)]
+    if lacking:
+        scheme, feature = lacking[0]
         limit = ARCH_LIMITS[feature]
         able = [s.value for s in Soc if s.htp_arch >= limit.min_arch][:4]
         raise UnsupportedOnSocError(
-            f"{soc.label} cannot run {limit.feature} ({feature}): it needs HTP v{limit.min_arch} or newer "
+            f"{soc.label} cannot run {scheme}'s {limit.feature}: it needs HTP v{limit.min_arch} or newer "
             f"[{limit.source}]. Use {limit.instead} for {soc.value}, or target a v{limit.min_arch}+ SoC such as "
             f"{', '.join(able)}"
         )
@@ -174,12 +191,12 @@ def check_supported(soc: Soc, features: list[str]) -> None:
 def soc_table_markdown() -> str:
     """The README's SoC table: one row per chipset, grouped by HTP arch."""
     lines = [
-        "| `--soc` | chip | device | HTP | VTCM | fp16 | 16a16w | 16a4w_block |",
-        "|---|---|---|---|---|---|---|---|",
+        "| `--soc` | chip | device | HTP | VTCM | 8a8w | fp16 | 16a8w, 16a4w | 16a16w | 16a4w_block |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for soc in sorted(Soc, key=lambda s: (s.htp_arch, s.value)):
         info = soc.info
-        marks = ["yes" if arch_supports(info.htp_arch, f) else "no" for f in ("fp16", "16a16w", "16a4w_block")]
+        marks = ["yes" if arch_supports(info.htp_arch, f) else "no" for f in ("8a8w", "fp16", "16a8w", "16a16w", "16a4w_block")]
         lines.append(
             f"| {soc.value} | {info.marketing or '-'} | {info.device} | v{info.htp_arch} | {info.vtcm_mb} MB | "
             + " | ".join(marks) + " |"

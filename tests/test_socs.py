@@ -11,7 +11,7 @@ import pytest
 
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, Soc
 from optimum_qnn.errors import OptimumQnnError, UnsupportedOnSocError
-from optimum_qnn.socs import ARCH_LIMITS, HTP_ARCHS, arch_supports, soc_table_markdown
+from optimum_qnn.socs import ARCH_LIMITS, HTP_ARCHS, arch_supports, scheme_features, soc_table_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -40,8 +40,8 @@ def test_arch_limits_are_executorch_s_own_rules():
 
     for soc in Soc:
         info = _soc_info_table[QcomChipset[soc.value]]
-        assert arch_supports(soc.htp_arch, "16a16w") == validate_16a16w_support(info), soc
-        assert arch_supports(soc.htp_arch, "16a4w_block") == validate_lpbq_support(info), soc
+        assert arch_supports(soc.htp_arch, "16-bit weights") == validate_16a16w_support(info), soc
+        assert arch_supports(soc.htp_arch, "LPBQ") == validate_lpbq_support(info), soc
 
 
 def test_fp16_limit_is_the_one_executorch_documents():
@@ -51,32 +51,37 @@ def test_fp16_limit_is_the_one_executorch_documents():
     assert Soc.SM8450.info.marketing == "Snapdragon 8 Gen 1" and ARCH_LIMITS["fp16"].min_arch == Soc.SM8450.htp_arch
 
 
-# Every (arch, feature) the table says is missing, refused by ExportConfig before anything is loaded.
-_LACKING = [(arch, feature) for arch in HTP_ARCHS for feature in ARCH_LIMITS if not arch_supports(arch, feature)]
+# Every (arch, scheme) the table says cannot run, refused by ExportConfig before anything is loaded.
+_LACKING = [(arch, q.value) for arch in HTP_ARCHS for q in QuantScheme if not arch_supports(arch, q.value)]
 
 
-@pytest.mark.parametrize("arch, feature", _LACKING, ids=[f"v{a}-{f}" for a, f in _LACKING])
-def test_what_an_arch_lacks_is_refused_with_the_reason_and_the_fix(arch, feature):
+def _first_limit(arch: int, scheme: str):
+    return next(ARCH_LIMITS[f] for f in scheme_features(scheme) if not arch_supports(arch, f))
+
+
+def test_the_lacking_pairs_are_the_measured_ones():
+    assert sorted(_LACKING) == sorted(
+        [(68, "fp16")] + [(arch, s) for arch in (68, 69) for s in ("16a16w", "16a8w", "16a4w", "16a4w_block")]
+    )
+
+
+@pytest.mark.parametrize("arch, scheme", _LACKING, ids=[f"v{a}-{s}" for a, s in _LACKING])
+def test_what_an_arch_lacks_is_refused_with_the_reason_and_the_fix(arch, scheme):
     soc = next(s for s in Soc if s.htp_arch == arch)
     with pytest.raises(UnsupportedOnSocError) as caught:
-        ExportConfig(socs=(soc,), quant=QuantScheme.parse(feature))
+        ExportConfig(socs=(soc,), quant=QuantScheme.parse(scheme))
     message = str(caught.value)
-    limit = ARCH_LIMITS[feature]
+    limit = _first_limit(arch, scheme)
     assert soc.value in message and f"v{limit.min_arch} or newer" in message
-    assert limit.instead in message and "htp_rules.py" in message or "utils.py" in message
+    assert limit.instead in message and limit.source in message
     assert isinstance(caught.value, OptimumQnnError)
-
-
-def test_the_suggested_choice_is_accepted_on_that_soc():
-    for arch, feature in _LACKING:
-        soc = next(s for s in Soc if s.htp_arch == arch)
-        instead = re.search(r"--quant (\S+)", ARCH_LIMITS[feature].instead).group(1)
-        ExportConfig(socs=(soc,), quant=QuantScheme.parse(instead))
+    instead = re.search(r"--quant (\S+)", limit.instead).group(1)
+    ExportConfig(socs=(soc,), quant=QuantScheme.parse(instead))  # the suggested choice is accepted there
 
 
 def test_an_override_the_arch_lacks_is_refused_too():
-    with pytest.raises(UnsupportedOnSocError, match="16a16w"):
-        ExportConfig(socs=(Soc.SM8450,), quant=QuantScheme.A16W8, overrides=(("lm_head", QuantScheme.A16W16),))
+    with pytest.raises(UnsupportedOnSocError, match="16-bit activations"):
+        ExportConfig(socs=(Soc.SM8450,), quant=QuantScheme.A8W8, overrides=(("lm_head", QuantScheme.A16W8),))
 
 
 def test_one_soc_lacking_a_feature_refuses_a_multi_soc_export():
@@ -90,7 +95,7 @@ def test_cli_refuses_before_the_model_is_looked_for(tmp_path, capsys):
     status = main(["export", "-m", str(tmp_path / "no-such-model"), "-o", str(tmp_path / "out"),
                    "--soc", "qcm6490", "--quant", "fp16"])
     err = capsys.readouterr().err
-    assert status != 0 and "QCM6490" in err and "HTP v69 or newer" in err and "16a8w" in err
+    assert status != 0 and "QCM6490" in err and "HTP v69 or newer" in err and "--quant 8a8w" in err
     assert "no-such-model" not in err  # refused before the model folder was even looked for
 
 
