@@ -138,7 +138,8 @@ ARCH_LIMITS: dict[str, ArchLimit] = {
     "fp16": ArchLimit(
         "HTP fp16 precision", 69,
         "ExecuTorch generate_htp_compiler_spec: 'Only premium tier SoC like Snapdragon 8 Gen 1 or newer can support "
-        "HTP fp16' (backends/qualcomm/utils/utils.py)",
+        "HTP fp16' (backends/qualcomm/utils/utils.py); on the emulator a v68 fp16 MLP's linears and GELU fall to "
+        "the CPU, or its compile fails ('no properties registered for q::QNN_Gelu')",
         "--quant 8a8w",
     ),
     "16-bit weights": ArchLimit(
@@ -148,7 +149,9 @@ ARCH_LIMITS: dict[str, ArchLimit] = {
     ),
     "LPBQ": ArchLimit(
         "block-wise 4-bit weights (LPBQ)", 69,
-        "ExecuTorch validate_lpbq_support: htp_arch >= V69 (backends/qualcomm/quantizer/annotators/htp_rules.py)",
+        "ExecuTorch validate_lpbq_support: htp_arch >= V69 (backends/qualcomm/quantizer/annotators/htp_rules.py); "
+        "on the emulator a v68 block-quantized linear compiled and ran, but 16a4w_block's 16-bit activations are "
+        "refused on v68 first",
         "--quant 16a4w (per-channel 4-bit weights)",
     ),
 }
