@@ -174,3 +174,24 @@ def test_doctor_prints_this_host_s_soc(monkeypatch):
     text = out.getvalue()
     assert "This host" in text and "SM8750 (Snapdragon 8 Elite, phone, HTP v79)" in text
     assert "QCM6490" in text.split("Targetable SoCs", 1)[1]
+
+
+def test_doctor_adb_reads_the_phone_s_ro_soc_model(tmp_path, monkeypatch):
+    import json
+    import os
+    import sys
+
+    from optimum_qnn import doctor
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    adb = bin_dir / "adb"
+    adb.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).with_name("fake_adb.py")}" "$@"\n')
+    adb.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    config = tmp_path / "fake_adb.json"
+    config.write_text(json.dumps({"root": str(tmp_path), "devices": [["PHONE1", "device"]], "soc": "SM8845",
+                                  "df_kb": 10**7, "env": {}, "log": str(tmp_path / "adb.log")}))
+    monkeypatch.setenv("FAKE_ADB_CONFIG", str(config))
+    reading = doctor._device_soc("", "Linux")
+    assert reading.soc is Soc.SM8845 and "adb PHONE1: getprop ro.soc.model" in reading.describe()
