@@ -178,17 +178,11 @@ def test_doctor_prints_this_host_s_soc(monkeypatch):
 
 def test_doctor_adb_reads_the_phone_s_ro_soc_model(tmp_path, monkeypatch):
     import json
-    import os
-    import sys
 
     from optimum_qnn import doctor
+    from tests.fake_adb import put_on_path
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    adb = bin_dir / "adb"
-    adb.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).with_name("fake_adb.py")}" "$@"\n')
-    adb.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    put_on_path(tmp_path / "bin", monkeypatch)
     config = tmp_path / "fake_adb.json"
     config.write_text(json.dumps({"root": str(tmp_path), "devices": [["PHONE1", "device"]], "soc": "SM8845",
                                   "df_kb": 10**7, "env": {}, "log": str(tmp_path / "adb.log")}))
