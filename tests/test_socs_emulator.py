@@ -83,7 +83,8 @@ def simulated_tokens(contract, graphs) -> list[int]:
 
 
 # Measured (2026-12-02, random tiny model, prompt PROMPT): v73 SC8380XP 16a8w emulator == simulation
-# [102, 155, 84, 161, 103, 31, 179, 40] (3 min 51 s with the cores shared); v81 SM8845 the same tokens, equal (3 min 56 s). v68 QCM6490 and v69 SM8450 at 8a8w both gave
+# [102, 155, 84, 161, 103, 31, 179, 40] (3 min 51 s with the cores shared); v75 SM8650, v79 SM8750
+# (5 min 6 s for both) and v81 SM8845 (3 min 56 s) the same tokens, equal. v68 QCM6490 and v69 SM8450 at 8a8w both gave
 # [64, 178, 222, 17, 219, 235, 3, 102] on the emulator (the same on both archs) against [102, 155, 84, 212, ...] from the
 # 8a8w simulation (that run simulated after lowering, in one export for both SoCs; this fixture simulates before
 # lowering, one export per arch, not re-run for them yet): the HTP's 8-bit activations part from PT2E's from the first token on this random model (8a8w is
