@@ -17,6 +17,8 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
         "doctor", help="show versions, the QNN libraries and ExecuTorch backend in use, and what this host can run"
     )
     parser.add_argument("path", nargs="?", help="an artifact folder: say which of its variants this host can run")
+    parser.add_argument("--adb", nargs="?", const="", default=None, metavar="SERIAL",
+                        help="judge for the adb phone (its getprop ro.soc.model) instead of this machine")
     _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
@@ -28,7 +30,7 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
             with third_party_quiet(args.verbose, keep_stdout=True):  # the report prints as it goes
                 from optimum_qnn.doctor import run_doctor
 
-                return run_doctor(args.path)
+                return run_doctor(args.path, adb_serial=args.adb)
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

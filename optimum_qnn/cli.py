@@ -46,7 +46,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     opt = parser.add_argument_group("target and precision")
     opt.add_argument(
         "--soc", nargs="+", default=[s.value for s in _DEFAULTS.socs], metavar="SOC",
-        help=f"one or more target SoCs: {', '.join(s.value for s in Soc)} (default: %(default)s)",
+        help="one or more target SoCs, named as ExecuTorch names them: "
+        + ", ".join(f"{s.value} ({s.info.marketing or s.info.device}, v{s.htp_arch})" for s in Soc)
+        + "; what each HTP arch supports: the README's SoC table (default: %(default)s)",
     )
     opt.add_argument(
         "--quant", default=_DEFAULTS.quant.value, metavar="SCHEME",

@@ -10,41 +10,15 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.errors import InvalidInputError, parse_enum
+from optimum_qnn.socs import Soc, check_supported  # Soc re-exported: config holds every choice of an export
 
 
 def _choices(enum_cls: type[enum.Enum]) -> str:
     return ", ".join(m.value for m in enum_cls)
 
 
-def _parse_enum(enum_cls: type[enum.Enum], value: object, what: str):
-    if isinstance(value, enum_cls):
-        return value
-    for member in enum_cls:
-        if str(value).lower() == member.value.lower():
-            return member
-    raise InvalidInputError(f"Unknown {what} {value!r}; expected one of: {_choices(enum_cls)}")
-
-
-class Soc(enum.Enum):
-    """Snapdragon SoCs whose Hexagon HTP the exporter targets (value: the marketing model name)."""
-
-    SM8550 = "SM8550"  # Snapdragon 8 Gen 2
-    SM8650 = "SM8650"  # Snapdragon 8 Gen 3
-    SM8750 = "SM8750"  # Snapdragon 8 Elite
-    SM8850 = "SM8850"  # Snapdragon 8 Elite Gen 5
-
-    @classmethod
-    def parse(cls, value: object) -> "Soc":
-        return _parse_enum(cls, value, "SoC")
-
-    @property
-    def htp_arch(self) -> int:
-        """Hexagon architecture version (v73, v75, v79, v81)."""
-        return _HTP_ARCH[self]
-
-
-_HTP_ARCH = {Soc.SM8550: 73, Soc.SM8650: 75, Soc.SM8750: 79, Soc.SM8850: 81}
+_parse_enum = parse_enum
 
 
 class QuantScheme(enum.Enum):
@@ -394,6 +368,10 @@ class ExportConfig:
             raise InvalidInputError(f"Unknown recipe {self.recipe!r}; expected one of: {', '.join(RECIPES)}")
         if self.quant is QuantScheme.A16W4_BLOCK and self.block_size not in BLOCK_SIZES:
             raise InvalidInputError(f"Block size must be one of {BLOCK_SIZES}; got {self.block_size}")
+        # What the HTP arch of each target lacks is refused here, before anything is loaded (optimum_qnn.socs).
+        features = [self.quant.value, *(scheme.value for _, scheme in self.overrides)]
+        for soc in self.socs:
+            check_supported(soc, features)
 
     def shard_starts(self, num_layers: int) -> tuple[int, ...]:
         """The decoder layers that begin shards 2..N, the layers split as evenly as rounding allows."""

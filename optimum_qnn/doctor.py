@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from optimum_qnn import __version__
+from optimum_qnn.config import Soc
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.program import is_emulator_host
 from optimum_qnn.sdk import (
@@ -25,6 +26,7 @@ from optimum_qnn.sdk import (
     supported_socs,
     unsigned_windows_skels,
 )
+from optimum_qnn.runtime.backends.soc import HostSoc, detect_host_soc, from_name
 from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
 
 # Distribution name -> the version verified with this release (pyproject.toml's pins); None: any.
@@ -63,8 +65,9 @@ class Verdict:
     reason: str
 
 
-def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -> list[Verdict]:
-    """Every exported variant (folder with a manifest.json) under `path`, judged for this host."""
+def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str, host: Soc | None = None) -> list[Verdict]:
+    """Every exported variant (folder with a manifest.json) under `path`, judged for this host (`host`: its SoC when
+    it says which; a context binary runs only on the SoC it was compiled for, the x86 emulator runs any)."""
     from optimum_qnn.artifacts.manifest import ManifestError, read_manifest
 
     verdicts = []
@@ -92,6 +95,13 @@ def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -
                 "--no-weight-sharing to run it here)",
             ))
             continue
+        if host is not None and not is_emulator_host(machine) and manifest.target.soc != host.value:
+            verdicts.append(Verdict(
+                name, description, False,
+                f"compiled for {manifest.target.soc} (HTP v{manifest.target.htp_arch}), and this host is a {host.label}: "
+                f"export it with --soc {host.value}",
+            ))
+            continue
         try:
             check_runtime_can_load(manifest.versions.qairt_build_id, sdk.build_id, runtime_source=sdk.source)
         except QnnSdkError as e:
@@ -102,7 +112,21 @@ def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str) -
     return verdicts
 
 
-def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def _device_soc(adb_serial: str | None, system: str) -> HostSoc | None:
+    """The SoC of the adb phone named (``ro.soc.model``), else of this machine."""
+    if adb_serial is None:
+        return detect_host_soc(system)
+    from optimum_qnn.runtime.backends.adb import Adb
+
+    adb = Adb(adb_serial or None)
+    model = adb.getprop("ro.soc.model")
+    if not model:
+        return HostSoc("", f"adb {adb.serial}: getprop ro.soc.model is empty (Android 12+ sets it)", None)
+    return from_name(model, f"adb {adb.serial}: getprop ro.soc.model")
+
+
+def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO | None = None,
+               adb_serial: str | None = None) -> int:
     """Print the diagnosis (to ``out`` and ``err``, by default ``sys.stdout`` and ``sys.stderr`` as they are when
     called); return the process exit code (0: QNN usable, 1: not).
 
@@ -153,10 +177,15 @@ def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO 
 
     socs = supported_socs()
     print("\nTargetable SoCs", file=out)
-    _rows([(soc.value, f"HTP v{soc.htp_arch}") for soc in socs], out)
+    _rows([(soc.value, soc.description) for soc in socs], out)
 
+    device = _device_soc(adb_serial, system)
+    print("\nThis host" if adb_serial is None else "\nThe phone", file=out)
+    _rows([("SoC", device.describe() if device else
+            "not a Snapdragon, or it does not say (Linux: /sys/devices/soc0/machine; Windows: the processor name)")], out)
+    host = device.soc if device else None
     if path is not None:
-        verdicts = judge_variants(Path(path), sdk, backends, machine)
+        verdicts = judge_variants(Path(path), sdk, backends, "aarch64" if adb_serial is not None else machine, host)
         runnable = sum(v.runnable for v in verdicts)
         print(f"\nArtifacts under {path}: {runnable} of {len(verdicts)} can run here", file=out)
         for v in verdicts:

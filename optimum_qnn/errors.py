@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 
 class OptimumQnnError(Exception):
     """Base class of every error optimum-qnn raises on purpose."""
@@ -17,3 +19,17 @@ class ContextOverflowError(OptimumQnnError, ValueError):
 
 class InvalidInputError(OptimumQnnError, ValueError):
     """Token ids or arguments that the runner cannot accept."""
+
+
+class UnsupportedOnSocError(OptimumQnnError, ValueError):
+    """An export choice the target SoC's HTP cannot run (optimum_qnn.socs.ARCH_LIMITS)."""
+
+
+def parse_enum(enum_cls: type[enum.Enum], value: object, what: str):
+    """The member of a string-valued enum named by `value` (any case), or a refusal listing the members."""
+    if isinstance(value, enum_cls):
+        return value
+    for member in enum_cls:
+        if str(value).strip().lower() == member.value.lower():
+            return member
+    raise InvalidInputError(f"Unknown {what} {value!r}; expected one of: {', '.join(m.value for m in enum_cls)}")

@@ -87,5 +87,14 @@ def main(argv: list[str]) -> int:
     return 1
 
 
+def put_on_path(folder: Path, monkeypatch) -> None:
+    """Install this stand-in as `adb`, first on PATH, for one test (`monkeypatch`: pytest's fixture)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    adb = folder / "adb"
+    adb.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" "$@"\n')
+    adb.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

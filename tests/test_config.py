@@ -30,7 +30,7 @@ def test_defaults_and_mapping():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (("--soc", "SM9999"), "Unknown SoC 'SM9999'; expected one of: SM8550, SM8650, SM8750, SM8850"),
+        (("--soc", "SM9999"), "Unknown SoC 'SM9999'; expected one of: SA8295, SA8797, SC8380XP, SM8350"),
         (("--quant", "3a3w"), "Unknown quant scheme '3a3w'; expected one of: fp16, 16a16w"),
         (("--max-seq-len", "64", "--prefill-ar-len", "64"), r"prefill_ar_len \(64\) must be smaller than max_seq_len \(64\)"),
         (("--max-seq-len", "0"), "must be positive"),

@@ -37,10 +37,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# QNN's SoC model ids (Qnn_SocModel_t in QnnTypes.h) of the SoCs optimum-qnn targets.
-QNN_SOC_MODELS = {43: Soc.SM8550, 57: Soc.SM8650, 69: Soc.SM8750, 87: Soc.SM8850}
-
-
 @dataclass(frozen=True)
 class GraphReport:
     """One graph of a context.
@@ -116,7 +112,7 @@ def _htp_arch(metadata: bytes) -> int | None:
 
 def _context(delegates: list[QnnDelegate], info: BinaryInfo) -> ContextReport:
     options = delegates[0].options
-    soc = QNN_SOC_MODELS.get(info.soc_model or -1)
+    soc = Soc.from_soc_model(info.soc_model or -1)
     graphs = []
     for g in info.graphs:
         const, shared = _htp_graph_sizes(g.blob)

@@ -21,11 +21,11 @@ from safetensors import SafetensorError, safe_open
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4 import modeling_gemma4 as hf
 
-from optimum_qnn.errors import OptimumQnnError, UnsupportedModelError
+from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.models.gemma4.families import check_dense, check_model_type
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
 # Multimodal checkpoints keep these beside the text decoder; the exporter never reads them.
 NON_TEXT_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _SHARED_KV_KEY = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
@@ -67,12 +67,8 @@ def read_text_config(folder: Path) -> Gemma4TextConfig:
     if not config_path.is_file():
         raise CheckpointError(f"No config.json in {folder}: is this a Hugging Face model folder?")
     raw = _read_json(config_path)
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"Model type {model_type!r} is not supported; expected one of: {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(Gemma4 text or multimodal checkpoints)"
-        )
+    check_model_type(raw, config_path)
+    model_type = raw["model_type"]
     try:
         if model_type == "gemma4":
             config = Gemma4Config.from_pretrained(folder).get_text_config()
@@ -85,6 +81,7 @@ def read_text_config(folder: Path) -> Gemma4TextConfig:
             "the model again"
         ) from None
     _check_config_values(config, config_path)
+    check_dense(config, config_path)
     return config
 
 
