@@ -52,11 +52,13 @@ def main() -> int:
         from optimum_qnn.quantization.calibration import CalibrationSource
         from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
-        cache = Path.home() / ".cache" / "optimum-qnn" / "bench-models" / "demo-gemma4"
-        model_dir = tiny_gemma4.build(cache)
+        import run  # the benchmarks' model cache: the demo where the tests keep it
+
+        model_dir = tiny_gemma4.build(run.DEMO_DIR)
         out = args.out or Path(tempfile.mkdtemp(prefix="optimum-qnn-chat-bench-"))
         if not (out / "qnn_index.json").is_file():
-            calib = out.parent / f"{out.name}-calib.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            calib = out.parent / f"{out.name}-calibration.txt"
             calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
             config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.HYBRID,
                                   shapes=ShapeConfig(CONTEXT, CHUNK), embedding_quant=EmbeddingQuant(8, 0),
@@ -67,6 +69,7 @@ def main() -> int:
 
     runs = []
     for r in range(args.repeats):
+        model.clear_cache()  # the previous conversation's prompts would otherwise be reused by this one's first turn
         chat = model.chat(max_new_tokens=REPLY)
         turns = []
         for text in TURNS:

@@ -95,7 +95,10 @@ def test_prefix_reuse_ending_inside_a_prefill_chunk(hybrid):
     # The whole held prompt again: everything but its last token is reused (its logits are needed).
     again = model.generate(second, max_new_tokens=6, eos_token_id=[], reuse_cache=True)[0].tolist()
     assert model.stats.reused_tokens == len(second) - 1 and again == want
-    # Nothing shared: nothing reused.
+    # Nothing shared: nothing reused. A cleared cache: nothing reused either.
+    model.generate([7] + second, max_new_tokens=2, eos_token_id=[], reuse_cache=True)
+    assert model.stats.reused_tokens == 0
+    model.clear_cache()
     model.generate([7] + second, max_new_tokens=2, eos_token_id=[], reuse_cache=True)
     assert model.stats.reused_tokens == 0
 

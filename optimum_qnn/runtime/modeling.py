@@ -196,6 +196,12 @@ class QNNModelForCausalLM:
             tokenizer = self.tokenizer()
         return ChatSession(self, tokenizer, system, **generation_defaults)
 
+    def clear_cache(self) -> None:
+        """Forget the tokens the host backend's caches hold, so no later call reuses them (a runner keeps none)."""
+        clear = getattr(self.backend, "clear_cache", None)
+        if clear is not None:
+            clear()
+
     def tokenizer(self) -> Any:
         """The artifact's tokenizer (``AutoTokenizer`` on the artifact folder's files; nothing is downloaded)."""
         from transformers import AutoTokenizer

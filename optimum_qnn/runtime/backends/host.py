@@ -43,6 +43,11 @@ class HostBackend:
         self.session = KVSession(self.contract, timed)
         self.held: list[int] = []  # the tokens whose K/V the caches hold, slots [0, len(held))
 
+    def clear_cache(self) -> None:
+        """Forget what the caches hold: the next call prefills its whole prompt even with ``reuse_cache=True``."""
+        self.held = []
+        self.session.reset()
+
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
                  streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
         """The new tokens after ``prompt`` (1-D ids, checked by the caller); fills ``self.stats``.
