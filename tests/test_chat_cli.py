@@ -76,7 +76,7 @@ def test_chat_in_a_terminal(fp16_export):
         term.send("/exit_not_a_command\n")
         assert "Unknown command" in term.expect(r"> $")
         term.send("while\n")
-        term.expect(r"while\r?\n\S")  # the reply's first text is out
+        term.expect(r"while\r?\n\s*\S")  # the reply's first text is out (it may begin with a newline)
         term.send("\x03")
         stopped = term.expect(r"\]\r?\n> $")
         assert "(stopped)" in stopped and "stopped by cancelled" in stopped, stopped
