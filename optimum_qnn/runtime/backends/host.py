@@ -69,7 +69,6 @@ class HostBackend:
         if reused:  # held never outgrows the stored slots
             session.truncate(reused)
         else:
-            reused = 0
             session.reset()
         stats = GenerationStats(prompt_tokens=len(ids), reused_tokens=reused, prefilled_tokens=len(ids) - reused,
                                 stopped_by="max_new_tokens")
