@@ -204,6 +204,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $OPTIMUM_QNN_API_KEY; unset: no check)")
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (default: %(default)s)")
     parser.add_argument("--name", help="the model id clients send (default: the artifact folder's name)")
+    parser.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
+                        help="on SIGTERM/Ctrl-C, how long the running generation may go on before it is cancelled "
+                        "(default: 10)")
     _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
@@ -212,8 +215,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         from optimum_qnn.console import configure_logging, third_party_quiet
         from optimum_qnn.errors import OptimumQnnError
 
-        if not 0 < args.port < 65536 or args.queue_size < 0:
-            print("error: --port must be in 1..65535 and --queue-size >= 0", file=sys.stderr)
+        if not 0 < args.port < 65536 or args.queue_size < 0 or (args.shutdown_grace or 0) < 0:
+            print("error: --port must be in 1..65535, --queue-size and --shutdown-grace >= 0", file=sys.stderr)
             return 2
         api_key = args.api_key or os.environ.get("OPTIMUM_QNN_API_KEY") or None
         configure_logging(args.verbose)
@@ -233,8 +236,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                   file=sys.stderr)
             return 2
         with third_party_quiet(args.verbose, keep_stdout=True):
+            from optimum_qnn.runtime.server.app import GRACE_SECONDS
+
             serve(model, host=args.host, port=args.port, api_key=api_key, queue_size=args.queue_size, name=args.name,
-                  verbose=args.verbose)
+                  verbose=args.verbose, grace=GRACE_SECONDS if args.shutdown_grace is None else args.shutdown_grace)
         return 0
 
     parser.set_defaults(handler=handler)

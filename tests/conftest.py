@@ -97,7 +97,7 @@ def random_kv_export(random_model_dir, tmp_path_factory, qnn_sdk):
     return export(random_model_dir, tmp_path_factory.mktemp("random-kv"), config)
 
 
-FP16_CTX, FP16_PREFILL = 192, 16
+FP16_CTX, FP16_PREFILL = 96, 16
 
 
 @pytest.fixture(scope="session")
@@ -122,12 +122,12 @@ def fp16_model(fp16_export):
 
 
 
-KV_CTX = 192
+KV_CTX = 64
 
 
 @pytest.fixture(scope="session")
 def demo_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
-    """The demo Gemma4 exported fp16 in kv mode (decode method only), context 192, float embedding tables."""
+    """The demo Gemma4 exported fp16 in kv mode (decode method only), context 64, float embedding tables."""
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.exporter.pipeline import export
 
@@ -215,7 +215,7 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
     return get
 
 
-A16W8_CTX, A16W8_PREFILL = 192, 16
+A16W8_CTX, A16W8_PREFILL = 64, 16
 
 
 @pytest.fixture(scope="session")

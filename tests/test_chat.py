@@ -11,11 +11,16 @@ import torch
 
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 
-# Five short user turns: with the template's turn markers (plain text in the demo's tokenizer, about 25 tokens a turn)
-# and a 4-token reply, each turn is about 35 tokens, so the conversation crosses the demo's sliding window (16) and
-# many prefill-chunk boundaries (16) and ends past 150 of the 192 context tokens, without dropping a turn.
+# Five short user turns and 3-token replies. The equality test formats them with a compact template (one short line a
+# turn) so that five turns fit the shared test exports' contexts (64 and 96 tokens): the conversation still crosses
+# the demo's sliding window (16) and several prefill-chunk boundaries (16). The demo's own Gemma4-shaped template
+# (about 35 tokens a turn, its turn markers being plain text there) is checked over two turns below.
 TURNS = ["for", "if x:", "a list", "while", "hello"]
-REPLY_TOKENS = 4
+REPLY_TOKENS = 3
+COMPACT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ ('Q:' if m['role'] == 'user' else 'A:') + m['content'] + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'A:' }}{% endif %}"
+)
 
 EXPORTS = {
     "fp16-hybrid": lambda request: request.getfixturevalue("fp16_export").output,
@@ -46,11 +51,11 @@ def chat_model(request):
     return request.param, QNNModelForCausalLM.from_pretrained(EXPORTS[request.param](request))
 
 
-def test_five_turns_equal_full_prefill_each_turn(chat_model):
-    which, model = chat_model
-    chat = model.chat(max_new_tokens=REPLY_TOKENS)
+def _conversation(model, tokenizer, turns):
+    """Send ``turns`` through one session; then check each turn against a full prefill of its whole prompt."""
+    chat = model.chat(tokenizer=tokenizer, max_new_tokens=REPLY_TOKENS)
     prompts, replies, stats = [], [], []
-    for text in TURNS:
+    for text in turns:
         streamer = Collect()
         held = chat.input_ids
         chat.send(text, streamer=streamer)
@@ -62,18 +67,34 @@ def test_five_turns_equal_full_prefill_each_turn(chat_model):
         stats.append((s.reused_tokens, s.prefilled_tokens, s.prompt_tokens))
     # Turn k >= 2 reuses every token the model has read (the previous prompt and all its reply but the last token,
     # which was picked and never fed) and prefills only the rest.
-    for k in range(1, len(TURNS)):
+    for k in range(1, len(turns)):
         read = len(prompts[k - 1]) + len(replies[k - 1]) - 1
-        assert stats[k][0] == read, (which, k, stats[k])
+        assert stats[k][0] == read, (k, stats[k])
         assert stats[k][1] == stats[k][2] - read
-    assert stats[0][0] == 0 and len(prompts[-1]) > 150 and chat.stats.dropped_turns == 0  # the conversation crossed the window and the chunks
+    assert stats[0][0] == 0 and chat.stats.dropped_turns == 0
     # The reference: every turn's whole prompt through a fresh prefill (after the conversation, so the session's
     # caches were its own).
     for k, prompt in enumerate(prompts):
         out = model.generate(prompt, max_new_tokens=REPLY_TOKENS, eos_token_id=sorted(chat.stop_ids))
         assert model.stats.reused_tokens == 0
-        assert out[0, len(prompt):].tolist() == replies[k], (which, k)
-    assert chat.history[0] == {"role": "user", "content": TURNS[0]} and len(chat.history) == 2 * len(TURNS)
+        assert out[0, len(prompt):].tolist() == replies[k], k
+    assert chat.history[0] == {"role": "user", "content": turns[0]} and len(chat.history) == 2 * len(turns)
+    return prompts
+
+
+def test_five_turns_equal_full_prefill_each_turn(chat_model):
+    which, model = chat_model
+    tok = model.tokenizer()
+    tok.chat_template = COMPACT_TEMPLATE
+    prompts = _conversation(model, tok, TURNS)
+    # The conversation crossed the sliding window and prefill chunks: turn 2 already starts past the first chunk.
+    assert len(prompts[1]) > 16 and len(prompts[-1]) > 3 * 16, (which, [len(p) for p in prompts])
+
+
+def test_two_turns_with_the_artifacts_own_template(fp16_model):
+    """The artifact's template (Gemma4's turn layout): what closes a turn is appended as that template writes it."""
+    prompts = _conversation(fp16_model, None, TURNS[:2])
+    assert len(prompts[1]) > 2 * 16
 
 
 @pytest.fixture(scope="module")

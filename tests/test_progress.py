@@ -35,6 +35,14 @@ def _terminal() -> tuple[int, TextIO]:
     return master, os.fdopen(slave, "w")
 
 
+def _drain(master: int) -> str:
+    """Everything drawn on the terminal so far (one read may return only part of it)."""
+    chunks = []
+    while select.select([master], [], [], 0.5)[0]:
+        chunks.append(os.read(master, 65536))
+    return b"".join(chunks).decode()
+
+
 def _lowering_records(shards: int = 3) -> None:
     """What a two-method lowering in ``shards`` shards logs: its steps, the workers' shards (last one first, as
     `parallel_compile.compile_order` does), then ExecuTorch's per-method lines of a sequential compile."""
@@ -122,7 +130,7 @@ def test_item_bars_only_in_a_terminal(tmp_path, monkeypatch, tty):
         assert list(bar(range(3), "Calibrating", "sample", enabled=False)) == [0, 1, 2]
         stream.flush()
         if tty:
-            shown = os.read(master, 65536).decode()
+            shown = _drain(master)
             assert "Calibrating" in shown and shown.count("Calibrating") >= 2, shown  # the enabled bar drew, redrew
         else:
             stream.seek(0)

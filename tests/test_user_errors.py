@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from optimum_qnn.errors import OptimumQnnError
+from tests.conftest import KV_CTX
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,15 @@ def _calls(artifact, model_dir, kv_model, manifest):
 
     load = QNNModelForCausalLM.from_pretrained
     hf = load_text_model(model_dir)[0]
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    plain_tok = AutoTokenizer.from_pretrained(model_dir)
+    plain_tok.chat_template = None  # the demo's tokenizer files carry one
+    variant = f"available: SM8650/fp16/ctx{KV_CTX}/kv"
     return [
         ("from_pretrained device='gpu'", lambda: load(artifact, device="gpu"), "expected one of: host, runner, adb, adb:SERIAL"),
         ("from_pretrained device=5", lambda: load(artifact, device=5), "expected one of: host, runner, adb, adb:SERIAL"),
         ("from_pretrained soc=5", lambda: load(artifact, soc=5), "soc must be a non-empty string such as 'SM8650'"),
-        ("from_pretrained soc='SM8550'", lambda: load(artifact, soc="SM8550"), "available: SM8650/fp16/ctx64/kv"),
-        ("from_pretrained quant='int3'", lambda: load(artifact, quant="int3"), "available: SM8650/fp16/ctx64/kv"),
+        ("from_pretrained soc='SM8550'", lambda: load(artifact, soc="SM8550"), variant),
+        ("from_pretrained quant='int3'", lambda: load(artifact, quant="int3"), variant),
         ("from_pretrained context_len='64'", lambda: load(artifact, context_len="64"), "context_len must be a positive integer"),
         ("from_pretrained context_len=0", lambda: load(artifact, context_len=0), "context_len must be a positive integer"),
         ("from_pretrained revision=5", lambda: load(artifact, revision=5), "revision must be a non-empty string"),
@@ -49,14 +52,14 @@ def _calls(artifact, model_dir, kv_model, manifest):
         ("DeviceSpec.parse('gpu')", lambda: DeviceSpec.parse("gpu"), "expected one of: host, runner, adb, adb:SERIAL"),
         ("generate ids out of range", lambda: kv_model.generate([2, 10**6]), "must lie in [0, 512)"),
         ("generate max_new_tokens=-1", lambda: kv_model.generate([2], max_new_tokens=-1), "an integer >= 0"),
-        ("generate a prompt too long", lambda: kv_model.generate([2] * 100), "export with a larger --max-seq-len"),
-        ("text_generation chat without a template", lambda: kv_model.text_generation(tok, "hi", chat=True),
+        ("generate a prompt too long", lambda: kv_model.generate([2] * (KV_CTX + 1)), "export with a larger --max-seq-len"),
+        ("text_generation chat without a template", lambda: kv_model.text_generation(plain_tok, "hi", chat=True),
          "pass chat=False (without --chat)"),
         ("from_hf 'model'", lambda: StaticCausalLM.from_hf("model", max_context_len=64), "load_text_model(folder)"),
         ("from_hf max_context_len='64'", lambda: StaticCausalLM.from_hf(hf, max_context_len="64"), "an integer >= 2"),
         ("from_hf max_context_len=10**6", lambda: StaticCausalLM.from_hf(hf, max_context_len=10**6), "choose at most"),
         ("from_hf ar_len=64", lambda: StaticCausalLM.from_hf(hf, max_context_len=64, ar_len=64), "[1, 63]"),
-        ("Soc.parse('SM1')", lambda: Soc.parse("SM1"), "expected one of: SM8550"),
+        ("Soc.parse('SM1')", lambda: Soc.parse("SM1"), "expected one of: SA8295, "),
         ("QuantScheme.parse('int3')", lambda: QuantScheme.parse("int3"), "expected one of: fp16"),
         ("ExportMode.parse('x')", lambda: ExportMode.parse("x"), "expected one of: kv, hybrid"),
         ("ExportConfig(mode='kv')", lambda: ExportConfig(mode="kv"), "ExportMode.parse"),
@@ -95,7 +98,8 @@ def test_project_errors_of_user_values_stay_value_errors():
     [
         (["run", "{artifact}", "--prompt-ids", "2", "--device", "gpu"], "error: Unknown device 'gpu'; expected one of: host"),
         (["run", "{artifact}", "--prompt-ids", "2", "--soc", "SM8550"], "error: No variant for soc=SM8550"),
-        (["run", "{artifact}", "--prompt", "hi", "--chat"], "error: chat=True needs a tokenizer with a chat template"),
+        (["chat", "{artifact}", "--soc", "SM8550"], "error: No variant for soc=SM8550"),
+        (["serve", "{artifact}", "--port", "70000"], "error: --port must be in 1..65535"),
         (["run", "{artifact}", "--prompt-ids", "2", "--max-new-tokens", "-1"], "error: max_new_tokens must be an integer >= 0"),
         (["doctor", "{artifact}/missing"], "error: No such folder: "),
         (["inspect", "{artifact}/missing.pte"], "error: Cannot read "),

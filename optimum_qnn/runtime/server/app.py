@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import signal
+import threading
 import time
 import uuid
 from typing import Any
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 1 << 20  # bytes; a longer body is a 413
 
 
+_STOPPING = ApiError(503, "The server is stopping; the generation was cancelled", code="server_shutdown",
+                     kind="server_error")
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -47,6 +52,12 @@ class Service:
         self.capacity = model.contract.context_len
         self.eos = sorted(set(model.manifest.tokenizer.eos_ids) | turn_end_ids(tokenizer))
         self.created = int(time.time())
+        self.stopping = False  # set when the server stops: cancelled generations then say why
+
+    def stop_generations(self) -> None:
+        """The server is stopping and its grace period is over: cancel the running generation and the waiting ones."""
+        self.stopping = True
+        self.engine.cancel_all()
 
     # --- plumbing -------------------------------------------------------------------------------------------------
 
@@ -153,7 +164,7 @@ class Service:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await self._wait(request, job, done)
         if job.finish_reason == "cancelled":
-            return _error(ApiError(503, "The server is stopping; the generation was cancelled", kind="server_error"))
+            return _error(_STOPPING)
         choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": job.text}
@@ -202,7 +213,9 @@ class Service:
             while (piece := await job.pieces.get()) is not None:
                 yield chunk(piece)
             await done  # the end mark comes from the worker just before its future completes
-            if job.finish_reason == "cancelled":
+            if job.finish_reason == "cancelled":  # the server stops (a client that left reads nothing more)
+                if self.stopping:  # an error event, as OpenAI's streams send one: the client learns why it ended
+                    yield f"data: {json.dumps(_STOPPING.body())}\n\n"
                 return
             yield chunk(None, job.finish_reason)
             if req.include_usage:
@@ -237,19 +250,42 @@ def build_app(model: Any, tokenizer: Any = None, *, name: str | None = None, api
     return app
 
 
-GRACE_SECONDS = 10  # on SIGTERM, a running request has this long to finish before it is cancelled
+GRACE_SECONDS = 10  # on SIGTERM/SIGINT, a running generation has this long to finish before it is cancelled
+_CLOSE_SECONDS = 5  # then its response has this long to send its last event before uvicorn drops the connection
+
+
+def _server_class():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, which also cancels the running generation once the grace period is over, so its
+        response ends with an event that says why instead of a connection cut mid-stream."""
+
+        def __init__(self, config: "uvicorn.Config", service: Service, grace: float):
+            super().__init__(config)
+            self.service, self.grace, self.timer = service, grace, None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self.timer is None:
+                self.timer = threading.Timer(self.grace, self.service.stop_generations)
+                self.timer.daemon = True
+                self.timer.start()
+
+    return _Server
 
 
 def serve(model: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, queue_size: int = 8,
-          name: str | None = None, verbose: bool = False) -> None:
-    """Serve ``model`` until SIGINT/SIGTERM (uvicorn's graceful shutdown, then the running generation is cancelled)."""
+          name: str | None = None, verbose: bool = False, grace: float = GRACE_SECONDS) -> None:
+    """Serve ``model`` until SIGINT/SIGTERM: new connections are refused, the running generation has ``grace``
+    seconds to finish, then it is cancelled (its stream ends with an error event) and the server stops."""
     import uvicorn
 
     app = build_app(model, name=name, api_key=api_key, queue_size=queue_size)
     config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
-                            access_log=verbose, timeout_graceful_shutdown=GRACE_SECONDS, lifespan="on")
-    server = uvicorn.Server(config)
+                            access_log=verbose, timeout_graceful_shutdown=grace + _CLOSE_SECONDS, lifespan="on")
     service = app.state.service
+    server = _server_class()(config, service, grace)
     print(f"Serving {service.name!r} ({model.manifest.target.soc}, {model.manifest.quantization.scheme}, context "
           f"{service.capacity}, on {model.device}) at http://{host}:{port}/v1"
           + (" (API key required)" if api_key else "") + ". Ctrl-C stops.", flush=True)
@@ -261,6 +297,8 @@ def serve(model: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     try:
         server.run()
     finally:
+        if server.timer is not None:
+            server.timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     why = f" ({signal.Signals(stopped_by[0]).name})" if stopped_by else ""
