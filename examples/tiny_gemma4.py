@@ -154,19 +154,29 @@ def train(
 def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
     """Write the `size` checkpoint to ``out`` (skipped when an identical build is already there)."""
     out = Path(out)
+    if is_built(out, steps, size):
+        return out
     spec = SIZES[size]
-    steps = spec.steps if steps is None else steps
-    stamp = out / "build.json"
-    want = {"recipe": RECIPE_VERSION, "steps": steps, "torch": torch.__version__, "threads": TRAIN_THREADS}
+    with _reproducible():
+        _build(out, spec, size, spec.steps if steps is None else steps, out / "build.json", _stamp(steps, size))
+    return out
+
+
+def is_built(out: Path, steps: int | None = None, size: str = "demo") -> bool:
+    """Whether ``out`` holds this recipe's `size` build already."""
+    stamp = Path(out) / "build.json"
+    return stamp.is_file() and json.loads(stamp.read_text()) == _stamp(steps, size)
+
+
+def _stamp(steps: int | None, size: str) -> dict:
+    spec = SIZES[size]
+    want = {"recipe": RECIPE_VERSION, "steps": spec.steps if steps is None else steps, "torch": torch.__version__,
+            "threads": TRAIN_THREADS}
     if size != "demo":
         want["size"] = size
     if spec.chat:
         want["chat"] = CHAT_VERSION
-    if stamp.is_file() and json.loads(stamp.read_text()) == want:
-        return out
-    with _reproducible():
-        _build(out, spec, size, steps, stamp, want)
-    return out
+    return want
 
 
 @contextlib.contextmanager
