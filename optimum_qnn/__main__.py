@@ -111,15 +111,22 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose, keep_stdout=True):  # the text streams as it comes
-                from transformers import AutoTokenizer, TextStreamer
+                from transformers import TextStreamer
 
                 model = _load_variant(args)
-                tokenizer = AutoTokenizer.from_pretrained(model.root)
-                streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+                try:
+                    tokenizer = model.tokenizer()
+                except OptimumQnnError:
+                    if ids is None:  # text needs the tokenizer; ids do not (the new ids are printed instead)
+                        raise
+                    tokenizer = None
+                streamer = TextStreamer(tokenizer, skip_special_tokens=True) if tokenizer is not None else None
                 if ids is None:
                     model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
                 else:
-                    model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+                    out = model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+                    if tokenizer is None:
+                        print(",".join(str(t) for t in out[0, len(ids):].tolist()), flush=True)
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -223,6 +230,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         try:
             with third_party_quiet(args.verbose):
                 model = _load_variant(args)
+                tokenizer = model.tokenizer()  # requests are text: an artifact without one is refused here
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -238,7 +246,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         with third_party_quiet(args.verbose, keep_stdout=True):
             from optimum_qnn.runtime.server.app import GRACE_SECONDS
 
-            serve(model, host=args.host, port=args.port, api_key=api_key, queue_size=args.queue_size, name=args.name,
+            serve(model, tokenizer, host=args.host, port=args.port, api_key=api_key, queue_size=args.queue_size, name=args.name,
                   verbose=args.verbose, grace=GRACE_SECONDS if args.shutdown_grace is None else args.shutdown_grace)
         return 0
 

@@ -312,6 +312,23 @@ def test_revision_pinning(client, artifacts, hub, tmp_path):
     assert "SM8650/fp16/ctx32/kv" in old_8750["message"] and "SM8750/" not in old_8750["message"]
 
 
+def test_run_command_takes_a_repo_and_its_revision(hub, run_python, local_tokens, tmp_path):
+    """`python -m optimum_qnn run REPO --revision v1`: the command downloads the pinned revision and generates what
+    the local folder does; a SoC the revision does not have is refused with the variants it has."""
+    env = hub_env(hub, tmp_path / "hf")
+    ids = ",".join(map(str, PROMPT))
+    proc = run_python("-m", "optimum_qnn", "run", REPO, "--revision", "v1", "--soc", "SM8650", "--prompt-ids", ids,
+                      "--max-new-tokens", "4", env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[{len(PROMPT)} prompt + 4 new tokens" in proc.stdout.splitlines()[-1], proc.stdout
+    (snapshot,) = (tmp_path / "hf" / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots").iterdir()
+    assert snapshot.name == hub["v1_sha"]
+    proc = run_python("-m", "optimum_qnn", "run", REPO, "--revision", "v1", "--soc", "SM8750", "--prompt-ids", ids,
+                      env=env, timeout=600)
+    assert proc.returncode == 2 and "No variant for soc=SM8750" in proc.stderr and "SM8650/fp16/ctx32/kv" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_tampered_file_in_served_repo_fails_sha256(client, tmp_path):
     (res,) = client([{"kind": "load", "repo": REPO, "soc": "SM8750", "revision": "tampered", "prompt": PROMPT}], tmp_path / "hf")
     assert res["error"] == "ManifestError", res

@@ -206,6 +206,11 @@ class QNNModelForCausalLM:
         """The artifact's tokenizer (``AutoTokenizer`` on the artifact folder's files; nothing is downloaded)."""
         from transformers import AutoTokenizer
 
+        if not any((self.root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise InvalidInputError(
+                f"The artifact at {self.root} has no tokenizer files (its source model had none): pass token ids "
+                "(generate(), --prompt-ids), or export from a model folder that holds its tokenizer"
+            )
         return AutoTokenizer.from_pretrained(self.root)
 
     def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:

@@ -275,13 +275,13 @@ def _server_class():
     return _Server
 
 
-def serve(model: Any, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, queue_size: int = 8,
+def serve(model: Any, tokenizer: Any = None, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, queue_size: int = 8,
           name: str | None = None, verbose: bool = False, grace: float = GRACE_SECONDS) -> None:
     """Serve ``model`` until SIGINT/SIGTERM: new connections are refused, the running generation has ``grace``
     seconds to finish, then it is cancelled (its stream ends with an error event) and the server stops."""
     import uvicorn
 
-    app = build_app(model, name=name, api_key=api_key, queue_size=queue_size)
+    app = build_app(model, tokenizer, name=name, api_key=api_key, queue_size=queue_size)
     config = uvicorn.Config(app, host=host, port=port, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_graceful_shutdown=grace + _CLOSE_SECONDS, lifespan="on")
     service = app.state.service
