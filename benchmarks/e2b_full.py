@@ -99,11 +99,22 @@ def build(folder: Path, seed: int = 0) -> Path:
 _STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB")
 
 
-def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str], memory_limit_gb: float | None = None) -> dict:
+PROFILE_RATE = 20  # py-spy samples per second (benchmarks/lowering_profile.py reads the profile)
+
+
+def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str], memory_limit_gb: float | None = None,
+               profile: Path | None = None) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cli = Path(sys.executable).with_name("optimum-cli")
     command = ["/usr/bin/time", "-v", str(cli), "export", "qnn", "--model", str(model), "--output", str(out),
                "--soc", soc, "--quant", quant, "-v", *extra]
+    if profile is not None:  # every process of the export sampled, the forked shard compiles included
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).is_file():
+            raise SystemExit("--profile needs py-spy: pip install py-spy")
+        # py-spy outside /usr/bin/time: time's figures stay the export's own (inside, they would be py-spy's).
+        command = [spy, "record", "--format", "raw", "--subprocesses", "--rate", str(PROFILE_RATE),
+                   "--output", str(profile), "--", *command]
     print("$", " ".join(command[2:]), flush=True)
     group = MemoryCgroup(memory_limit_gb) if memory_limit_gb else None
     t0 = time.perf_counter()
@@ -120,9 +131,10 @@ def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str], m
         raise SystemExit(f"export failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n{log[-3000:]}")
     stages = [(m["name"], float(m["s"]), int(m["mb"]) / 1024) for m in _STAGE.finditer(log)]
     max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)) / 2**20
+    cpu_percent = int(re.search(r"Percent of CPU this job got: (\d+)%", log).group(1))
     memory = next((line for line in log.splitlines() if "Memory:" in line), "")
     pte = next(out.rglob("model.pte"))
-    result = {"stages": stages, "wall_s": wall, "max_rss_gb": max_rss, "memory_line": memory.split("Memory:", 1)[-1].strip(),
+    result = {"stages": stages, "wall_s": wall, "max_rss_gb": max_rss, "cpu_percent": cpu_percent, "memory_line": memory.split("Memory:", 1)[-1].strip(),
               "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30, "components": components(pte)}
     if group:
         result["memory_limit_gb"] = memory_limit_gb
@@ -257,13 +269,16 @@ def main() -> int:
     parser.add_argument("--quant", default="16a4w_block")
     parser.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                         help="run the export in a memory cgroup of this size (a machine of that size; needs root)")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="record a py-spy profile of the export (benchmarks/lowering_profile.py reads it); its "
+                        "rows are then not stored, the sampling being part of what was timed")
     parser.add_argument("extra", nargs="*", help="more export flags (after --)")
     args = parser.parse_args()
     folder = CACHE / "bench-models" / "e2b-full"
     t0 = time.perf_counter()
     build(folder)
     print(f"checkpoint: {folder} ({time.perf_counter() - t0:.0f} s)")
-    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit)
+    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit, args.profile)
     rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
     rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
     rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {result['max_rss_gb']:.1f} |")
@@ -272,6 +287,16 @@ def main() -> int:
     print(f"\n.pte: {result['pte_gb']:.2f} GiB ({result['pte']})")
     print(subprocess.run([sys.executable, "-m", "optimum_qnn", "inspect", result["pte"]], capture_output=True, text=True).stdout)
     (args.work / "result.json").write_text(json.dumps(result, indent=1))
+    if args.profile is not None:  # the profile's rows, not the run's: the sampling is part of what was timed
+        import lowering_profile
+        import run  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
+
+        counts = lowering_profile.read(args.profile)
+        print(lowering_profile.table(counts, PROFILE_RATE, 30))
+        lowering_profile.store(counts, PROFILE_RATE, label=f"{args.soc} {args.quant} {' '.join(args.extra)}".strip(),
+                               commit=run.source_commit(), wall_s=result["wall_s"], cpu_percent=result["cpu_percent"],
+                               stages=result["stages"])
+        return 0
     shards = next((args.extra[i + 1] for i, a in enumerate(args.extra[:-1]) if a == "--shards"), "auto")
     if args.memory_limit:
         shards += f"@{args.memory_limit:g}GB"

@@ -1,6 +1,6 @@
 """benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json
-(e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py) and chat_reuse.json
-(chat_reuse.py). Nothing here
+(e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py), chat_reuse.json
+(chat_reuse.py) and lowering_profile.json (e2b_full.py --profile). Nothing here
 measures; `lookup` resolves the row keys that README.md quotes figures under (tests/test_figures.py checks them).
 
 Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
@@ -199,7 +199,7 @@ def render(results: dict) -> str:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
-        "e2b_full.json, phone_size.json, sensitivity_probe.json) by benchmarks/results.py; a row's `commit` column is "
+        "e2b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json) by benchmarks/results.py; a row's `commit` column is "
         "the commit it was measured on (`not recorded`: measured before rows recorded it). "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
@@ -252,7 +252,7 @@ def render(results: dict) -> str:
         + (scheme_table(rows, steps) + "\n" + runs_note(rows) if rows else "(no scheme run)\n")
         + bench_section(results.get("bench"), results.get("weights"), steps)
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
-        + chat_section(stored("chat_reuse.json"))
+        + chat_section(stored("chat_reuse.json")) + profile_section(stored("lowering_profile.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text
@@ -291,6 +291,28 @@ def chat_section(rows: dict) -> str:
         + markdown(["turn", "prompt tokens", "reused", "prefilled", "first token, reuse (s)",
                     "first token, full prefill (s)", "ratio"], lines) + "\n"
     )
+
+
+def profile_section(rows: dict) -> str:
+    """Profiled exports (benchmarks/e2b_full.py --profile): CPU seconds by stage and by step, from py-spy samples."""
+    if not rows:
+        return ""
+    out = ["\n## Where an export's CPU time goes\n\n"
+           "benchmarks/e2b_full.py --profile: the export sampled by py-spy (every process, the forked shard compiles "
+           "included; waiting threads left out), attributed by benchmarks/lowering_profile.py. CPU seconds are samples / "
+           "rate; 200% CPU = both cores busy all the time.\n"]
+    for label, run in rows["runs"].items():
+        stages = ", ".join(f"{st['name']} {st['wall_s']:.0f} s" for st in run["stages"])
+        cpu = (f"{run['cpu_percent']}% CPU (/usr/bin/time)" if run.get("cpu_percent") is not None else
+               f"{100 * run['sampled_cpu_s'] / run['wall_s']:.0f}% CPU (sampled CPU s / wall s)")
+        out.append(f"\n### {label} (commit {run['commit']})\n\nWall {run['wall_s']:.0f} s at {cpu}; "
+                   f"stages: {stages}.\n\n")
+        out.append(markdown(["process", "stage", "CPU s"],
+                            [[r["process"], r["stage"], f"{r['cpu_s']:.0f}"] for r in run["by_stage"] if r["cpu_s"] >= 1]))
+        out.append("\n\n" + markdown(["process", "stage", "step (outermost pass, partitioner, builder or serializer)", "CPU s"],
+                                     [[r["process"], r["stage"], f"`{r['step']}`", f"{r['cpu_s']:.0f}"]
+                                      for r in run["steps"][:20]]) + "\n")
+    return "".join(out)
 
 
 def probe_section(rows: dict) -> str:
