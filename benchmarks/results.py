@@ -1,6 +1,6 @@
 """benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json
 (e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py), chat_reuse.json
-(chat_reuse.py) and lowering_profile.json (e2b_full.py --profile). Nothing here
+(chat_reuse.py), lowering_profile.json (e2b_full.py --profile) and multi_soc.json (multi_soc.py). Nothing here
 measures; `lookup` resolves the row keys that README.md quotes figures under (tests/test_figures.py checks them).
 
 Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
@@ -199,7 +199,7 @@ def render(results: dict) -> str:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
-        "e2b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json) by benchmarks/results.py; a row's `commit` column is "
+        "e2b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json) by benchmarks/results.py; a row's `commit` column is "
         "the commit it was measured on (`not recorded`: measured before rows recorded it). "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
@@ -253,6 +253,7 @@ def render(results: dict) -> str:
         + bench_section(results.get("bench"), results.get("weights"), steps)
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
         + chat_section(stored("chat_reuse.json")) + profile_section(stored("lowering_profile.json"))
+        + multi_soc_section(stored("multi_soc.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text
@@ -312,6 +313,22 @@ def profile_section(rows: dict) -> str:
         out.append("\n\n" + markdown(["process", "stage", "step (outermost pass, partitioner, builder or serializer)", "CPU s"],
                                      [[r["process"], r["stage"], f"`{r['step']}`", f"{r['cpu_s']:.0f}"]
                                       for r in run["steps"][:20]]) + "\n")
+    return "".join(out)
+
+
+def multi_soc_section(rows: dict) -> str:
+    """One export for four SoCs: what each SoC adds, against the first SoC's whole export."""
+    if not rows:
+        return ""
+    out = ["\n## One export, four SoCs: the cost of each extra SoC\n\n"
+           "benchmarks/multi_soc.py: `optimum-cli export qnn --soc SM8550 SM8650 SM8750 SM8850` (default flags otherwise); "
+           "load, calibration and quantization run once, then each SoC is lowered, inspected and written. An SoC's "
+           "marginal cost is its own stages over the first SoC's whole export (the shared stages plus its own).\n"]
+    for label, run in rows["runs"].items():
+        out.append(f"\n{label} (commit {run['commit']}): shared stages {run['shared_s']:.1f} s, first SoC's whole export "
+                   f"{run['first_soc_export_s']:.1f} s, wall {run['wall_s']:.0f} s.\n\n")
+        out.append(markdown(["SoC", "its lower + inspect + write (s)", "marginal"],
+                            [[r["soc"], f"{r['own_s']:.1f}", f"{r['marginal']:.2f}x"] for r in run["socs"]]) + "\n")
     return "".join(out)
 
 
