@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -102,12 +103,16 @@ _STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P
 PROFILE_RATE = 20  # py-spy samples per second (benchmarks/lowering_profile.py reads the profile)
 
 
-def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str], memory_limit_gb: float | None = None,
-               profile: Path | None = None) -> dict:
+def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str, extra: list[str],
+               memory_limit_gb: float | None = None, profile: Path | None = None) -> dict:
+    """`optimum-cli export qnn` for ``soc`` (one SoC, or several in one export) under `/usr/bin/time -v`: its stage
+    lines, wall time, peak RSS, CPU share and the (first) .pte's components. The log goes beside ``out``."""
     shutil.rmtree(out, ignore_errors=True)
     cli = Path(sys.executable).with_name("optimum-cli")
+    socs = [soc] if isinstance(soc, str) else list(soc)
     command = ["/usr/bin/time", "-v", str(cli), "export", "qnn", "--model", str(model), "--output", str(out),
-               "--soc", soc, "--quant", quant, "-v", *extra]
+               "--soc", *socs, "--quant", quant, "-v", *extra]
+    print("$", " ".join(command[2:]), flush=True)
     if profile is not None:  # every process of the export sampled, the forked shard compiles included
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if not Path(spy).is_file():
@@ -115,7 +120,6 @@ def run_export(model: Path, out: Path, soc: str, quant: str, extra: list[str], m
         # py-spy outside /usr/bin/time: time's figures stay the export's own (inside, they would be py-spy's).
         command = [spy, "record", "--format", "raw", "--subprocesses", "--rate", str(PROFILE_RATE),
                    "--output", str(profile), "--", *command]
-    print("$", " ".join(command[2:]), flush=True)
     group = MemoryCgroup(memory_limit_gb) if memory_limit_gb else None
     t0 = time.perf_counter()
     try:
@@ -270,8 +274,9 @@ def main() -> int:
     parser.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                         help="run the export in a memory cgroup of this size (a machine of that size; needs root)")
     parser.add_argument("--profile", type=Path, metavar="FILE",
-                        help="record a py-spy profile of the export (benchmarks/lowering_profile.py reads it); its "
-                        "rows are then not stored, the sampling being part of what was timed")
+                        help="record a py-spy profile of the export into FILE and store what it attributes in "
+                        "benchmarks/lowering_profile.json; the run's own e2b_full.json row is then not stored (the "
+                        "sampling is part of what was timed)")
     parser.add_argument("extra", nargs="*", help="more export flags (after --)")
     args = parser.parse_args()
     folder = CACHE / "bench-models" / "e2b-full"

@@ -1,8 +1,8 @@
 """The cost of each extra SoC in one export: `--soc SM8550 SM8650 SM8750 SM8850` through the command users type.
 
-The export loads, calibrates and quantizes once, then lowers per SoC; each SoC's `[lower SOC]` stage line gives its
-lowering time, and the marginal cost of the k-th SoC is its lowering over the first SoC's whole export (load to its
-write). Rows go to benchmarks/multi_soc.json with the commit they ran on; prints a table. Run it alone.
+The export (run by benchmarks/e2b_full.py's `run_export`) loads, calibrates and quantizes once, then lowers,
+inspects and writes per SoC, each step with its stage line; the marginal cost of the k-th SoC is its own stages over
+the first SoC's whole export (the shared stages plus its own). Rows go to benchmarks/multi_soc.json with the commit they ran on; prints a table. Run it alone.
 
 Models: the demo Gemma4 (`demo`), and Gemma-4-E2B's widths at a few layers (`e2b-N`, benchmarks/e2b_width.py).
 
@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -26,7 +22,6 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 SOCS = ("SM8550", "SM8650", "SM8750", "SM8850")
 ROWS_FILE = HERE / "multi_soc.json"
-_STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB")
 
 
 def model_dir(name: str) -> Path:
@@ -43,24 +38,15 @@ def model_dir(name: str) -> Path:
 
 
 def measure(model: Path, quant: str, work: Path) -> dict:
-    out = work / "out"
-    shutil.rmtree(out, ignore_errors=True)
-    cli = Path(sys.executable).with_name("optimum-cli")
-    command = [str(cli), "export", "qnn", "--model", str(model), "--output", str(out), "--soc", *SOCS, "--quant", quant, "-v"]
-    print("$", " ".join(command), flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    log = proc.stdout + proc.stderr
-    (work / "export.log").write_text(log)
-    if proc.returncode:
-        raise SystemExit(f"export failed ({proc.returncode}); log: {work / 'export.log'}\n{log[-3000:]}")
-    stages = {m["name"]: float(m["s"]) for m in _STAGE.finditer(log)}
+    import e2b_full
+
+    run = e2b_full.run_export(model, work / "out", SOCS, quant, [])
+    stages = {name: s for name, s, _ in run["stages"]}
     shared = sum(s for name, s in stages.items() if not name.split(" ")[0] in ("lower", "inspect", "write"))
     per_soc = {soc: sum(stages.get(f"{step} {soc}", 0.0) for step in ("lower", "inspect", "write")) for soc in SOCS}
     first = shared + per_soc[SOCS[0]]
     return {
-        "wall_s": round(wall, 1), "shared_s": round(shared, 1), "first_soc_export_s": round(first, 1),
+        "wall_s": round(run["wall_s"], 1), "shared_s": round(shared, 1), "first_soc_export_s": round(first, 1),
         "socs": [{"soc": soc, "own_s": round(per_soc[soc], 1), "marginal": round(per_soc[soc] / first, 3)} for soc in SOCS],
         "stages": stages,
     }

@@ -294,42 +294,47 @@ def chat_section(rows: dict) -> str:
     )
 
 
-def profile_section(rows: dict) -> str:
-    """Profiled exports (benchmarks/e2b_full.py --profile): CPU seconds by stage and by step, from py-spy samples."""
+def _runs_section(rows: dict, heading: str, run_text) -> str:
+    """A section over a row file's ``runs``: the heading (with its intro), then ``run_text(label, run)`` for each."""
     if not rows:
         return ""
-    out = ["\n## Where an export's CPU time goes\n\n"
-           "benchmarks/e2b_full.py --profile: the export sampled by py-spy (every process, the forked shard compiles "
-           "included; waiting threads left out), attributed by benchmarks/lowering_profile.py. CPU seconds are samples / "
-           "rate; 200% CPU = both cores busy all the time.\n"]
-    for label, run in rows["runs"].items():
+    return heading + "".join(run_text(label, run) for label, run in rows["runs"].items())
+
+
+def profile_section(rows: dict) -> str:
+    """Profiled exports (benchmarks/e2b_full.py --profile): CPU seconds by stage and by step, from py-spy samples."""
+
+    def run_text(label: str, run: dict) -> str:
         stages = ", ".join(f"{st['name']} {st['wall_s']:.0f} s" for st in run["stages"])
         cpu = (f"{run['cpu_percent']}% CPU (/usr/bin/time)" if run.get("cpu_percent") is not None else
                f"{100 * run['sampled_cpu_s'] / run['wall_s']:.0f}% CPU (sampled CPU s / wall s)")
-        out.append(f"\n### {label} (commit {run['commit']})\n\nWall {run['wall_s']:.0f} s at {cpu}; "
-                   f"stages: {stages}.\n\n")
-        out.append(markdown(["process", "stage", "CPU s"],
-                            [[r["process"], r["stage"], f"{r['cpu_s']:.0f}"] for r in run["by_stage"] if r["cpu_s"] >= 1]))
-        out.append("\n\n" + markdown(["process", "stage", "step (outermost pass, partitioner, builder or serializer)", "CPU s"],
+        return (f"\n### {label} (commit {run['commit']})\n\nWall {run['wall_s']:.0f} s at {cpu}; stages: {stages}.\n\n"
+                + markdown(["process", "stage", "CPU s"],
+                           [[r["process"], r["stage"], f"{r['cpu_s']:.0f}"] for r in run["by_stage"] if r["cpu_s"] >= 1])
+                + "\n\n" + markdown(["process", "stage", "step (outermost pass, partitioner, builder or serializer)", "CPU s"],
                                      [[r["process"], r["stage"], f"`{r['step']}`", f"{r['cpu_s']:.0f}"]
                                       for r in run["steps"][:20]]) + "\n")
-    return "".join(out)
+
+    return _runs_section(rows, "\n## Where an export's CPU time goes\n\n"
+                         "benchmarks/e2b_full.py --profile: the export sampled by py-spy (every process, the forked shard "
+                         "compiles included; waiting threads left out), attributed by benchmarks/lowering_profile.py. CPU "
+                         "seconds are samples / rate; 200% CPU = both cores busy all the time.\n", run_text)
 
 
 def multi_soc_section(rows: dict) -> str:
     """One export for four SoCs: what each SoC adds, against the first SoC's whole export."""
-    if not rows:
-        return ""
-    out = ["\n## One export, four SoCs: the cost of each extra SoC\n\n"
-           "benchmarks/multi_soc.py: `optimum-cli export qnn --soc SM8550 SM8650 SM8750 SM8850` (default flags otherwise); "
-           "load, calibration and quantization run once, then each SoC is lowered, inspected and written. An SoC's "
-           "marginal cost is its own stages over the first SoC's whole export (the shared stages plus its own).\n"]
-    for label, run in rows["runs"].items():
-        out.append(f"\n{label} (commit {run['commit']}): shared stages {run['shared_s']:.1f} s, first SoC's whole export "
-                   f"{run['first_soc_export_s']:.1f} s, wall {run['wall_s']:.0f} s.\n\n")
-        out.append(markdown(["SoC", "its lower + inspect + write (s)", "marginal"],
-                            [[r["soc"], f"{r['own_s']:.1f}", f"{r['marginal']:.2f}x"] for r in run["socs"]]) + "\n")
-    return "".join(out)
+
+    def run_text(label: str, run: dict) -> str:
+        return (f"\n{label} (commit {run['commit']}): shared stages {run['shared_s']:.1f} s, first SoC's whole export "
+                f"{run['first_soc_export_s']:.1f} s, wall {run['wall_s']:.0f} s.\n\n"
+                + markdown(["SoC", "its lower + inspect + write (s)", "marginal"],
+                           [[r["soc"], f"{r['own_s']:.1f}", f"{r['marginal']:.2f}x"] for r in run["socs"]]) + "\n")
+
+    return _runs_section(rows, "\n## One export, four SoCs: the cost of each extra SoC\n\n"
+                         "benchmarks/multi_soc.py: `optimum-cli export qnn --soc SM8550 SM8650 SM8750 SM8850` (default flags "
+                         "otherwise); load, calibration and quantization run once, then each SoC is lowered, inspected and "
+                         "written. An SoC's marginal cost is its own stages over the first SoC's whole export (the shared "
+                         "stages plus its own).\n", run_text)
 
 
 def probe_section(rows: dict) -> str:

@@ -156,9 +156,8 @@ def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
     out = Path(out)
     if is_built(out, steps, size):
         return out
-    spec = SIZES[size]
     with _reproducible():
-        _build(out, spec, size, spec.steps if steps is None else steps, out / "build.json", _stamp(steps, size))
+        _build(out, size, steps)
     return out
 
 
@@ -195,8 +194,10 @@ def _reproducible():
         torch.random.set_rng_state(rng)
 
 
-def _build(out: Path, spec: "Size", size: str, steps: int, stamp: Path, want: dict) -> None:
+def _build(out: Path, size: str, steps: int | None) -> None:
     t0 = time.time()
+    spec, want = SIZES[size], _stamp(steps, size)
+    steps = want["steps"]
     text = corpus()
     tok = train_tokenizer(text, spec.vocab)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
@@ -212,7 +213,7 @@ def _build(out: Path, spec: "Size", size: str, steps: int, stamp: Path, want: di
     if spec.chat:
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    stamp.write_text(json.dumps(want))
+    (out / "build.json").write_text(json.dumps(want))
     print(f"The {size} model written to {out} in {time.time() - t0:.0f} s (final loss {loss:.2f})")
 
 

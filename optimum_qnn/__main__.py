@@ -238,14 +238,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use the model",
                   file=sys.stderr)
         try:
-            from optimum_qnn.runtime.server.app import serve
+            from optimum_qnn.runtime.server.app import GRACE_SECONDS, serve
         except ImportError as e:
             print(f"error: serve needs its HTTP stack ({e.name} is missing): pip install 'optimum-qnn[serve]'",
                   file=sys.stderr)
             return 2
         with third_party_quiet(args.verbose, keep_stdout=True):
-            from optimum_qnn.runtime.server.app import GRACE_SECONDS
-
             serve(model, tokenizer, host=args.host, port=args.port, api_key=api_key, queue_size=args.queue_size, name=args.name,
                   verbose=args.verbose, grace=GRACE_SECONDS if args.shutdown_grace is None else args.shutdown_grace)
         return 0

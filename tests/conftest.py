@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,22 @@ def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SDK_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return env
+
+
+def run_main(argv: Sequence[object], capsys) -> tuple[int, str, str]:
+    """Run ``python -m optimum_qnn ARGV`` in this process (the commands' own code, no new interpreter); returns
+    (exit code, stdout, stderr). The logging set-up the command makes is undone."""
+    from optimum_qnn.__main__ import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        code = main([str(a) for a in argv])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 RunPython = Callable[..., subprocess.CompletedProcess]

@@ -9,16 +9,14 @@ model is loaded, so they cost milliseconds.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from optimum_qnn.__main__ import main
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
-from tests.conftest import KV_CTX
+from tests.conftest import KV_CTX, run_main
 from tests.test_reliability import snapshot
 
 
@@ -32,14 +30,7 @@ def model_copy(demo_model_dir, tmp_path) -> Path:
 
 def cli(capsys, model, output, *argv) -> tuple[int, str]:
     """Run the export CLI in this process; returns (exit code, stderr). The logging set-up it makes is undone."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        code = main(["export", "--model", str(model), "--output", str(output), "--mode", "kv", "--max-seq-len", "32", *argv])
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    err = capsys.readouterr().err
+    code, _, err = run_main(["export", "--model", model, "--output", output, "--mode", "kv", "--max-seq-len", "32", *argv], capsys)
     assert "Traceback" not in err, err
     return code, err
 

@@ -3,31 +3,17 @@ this host by default. Run in this process (the commands' own code); the Hub's `-
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
+from tests.conftest import run_main
+
 PROMPT = "The for statement"
-
-
-def _main(argv: list[str], capsys) -> tuple[int, str, str]:
-    from optimum_qnn.__main__ import main
-
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        code = main([str(a) for a in argv])
-    finally:  # the logging set-up the command makes is undone
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_run_prompt_prints_the_text_then_one_stats_line(fp16_export, fp16_model, capsys, chat):
     """No --device: the host. The printed text is text_generation's, the last line its stats."""
-    code, out, err = _main(["run", fp16_export.output, "--prompt", PROMPT, "--max-new-tokens", "6",
+    code, out, err = run_main(["run", fp16_export.output, "--prompt", PROMPT, "--max-new-tokens", "6",
                             *(["--chat"] if chat else [])], capsys)
     assert code == 0, err
     text, stats = out.rstrip("\n").rsplit("\n", 1)
@@ -46,12 +32,12 @@ def test_an_artifact_without_a_tokenizer_takes_ids_and_refuses_text(random_kv_ex
     folder = random_kv_export.output
     model = QNNModelForCausalLM.from_pretrained(folder, soc="SM8650")
     want = model.generate([2, 40, 41], max_new_tokens=4)[0, 3:].tolist()
-    code, out, err = _main(["run", folder, "--soc", "SM8650", "--prompt-ids", "2,40,41", "--max-new-tokens", "4"], capsys)
+    code, out, err = run_main(["run", folder, "--soc", "SM8650", "--prompt-ids", "2,40,41", "--max-new-tokens", "4"], capsys)
     assert code == 0, err
     ids, stats = out.rstrip("\n").split("\n")
     assert ids == ",".join(map(str, want)) and stats.startswith("[3 prompt + 4 new tokens")
     for argv in (["run", folder, "--soc", "SM8650", "--prompt", "hi"], ["chat", folder, "--soc", "SM8650"],
                  ["serve", folder, "--soc", "SM8650"]):
-        code, out, err = _main(argv, capsys)
+        code, out, err = run_main(argv, capsys)
         assert code == 2 and "has no tokenizer files" in err and "--prompt-ids" in err, (argv, err)
         assert "Traceback" not in err

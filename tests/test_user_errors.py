@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from optimum_qnn.errors import OptimumQnnError
-from tests.conftest import KV_CTX
+from tests.conftest import KV_CTX, run_main
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +107,6 @@ def test_project_errors_of_user_values_stay_value_errors():
 )
 def test_commands_refuse_bad_values_with_their_fix(demo_kv_export, capsys, argv, message):
     """Run in this process; the logging set-up the command makes is undone."""
-    import logging
-
-    from optimum_qnn.__main__ import main
-
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        code = main([a.format(artifact=demo_kv_export) for a in argv])
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    err = capsys.readouterr().err
+    code, _, err = run_main([a.format(artifact=demo_kv_export) for a in argv], capsys)
     assert code == 2, err
     assert message in err and "Traceback" not in err, err
