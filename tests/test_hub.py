@@ -35,40 +35,6 @@ V8750 = "qnn/sm8750/fp16-ctx32-kv"
 NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
-# Run in a fresh interpreter: argv[1] is a JSON list of actions; prints one JSON result per action.
-CLIENT = r'''
-import json, os, sys
-from pathlib import Path
-
-def files_under(root):
-    root = Path(root)
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() or p.is_symlink())
-
-def run(action):
-    kind = action["kind"]
-    try:
-        if kind == "load":
-            from optimum_qnn.runtime.modeling import QNNModelForCausalLM
-            model = QNNModelForCausalLM.from_pretrained(action["repo"], soc=action.get("soc"), revision=action.get("revision"))
-            out = model.generate(action["prompt"], max_new_tokens=4).reshape(-1).tolist()
-            return {"root": str(model.root), "files": files_under(model.root), "tokens": out,
-                    "soc": model.manifest.target.soc}
-        if kind == "snapshot":
-            from huggingface_hub import snapshot_download
-            root = snapshot_download(action["repo"], revision=action["revision"])
-            return {"root": root, "files": files_under(root)}
-        if kind == "refs":
-            from huggingface_hub import HfApi
-            info = HfApi().model_info(action["repo"], revision=action["revision"])
-            return {"sha": info.sha}
-    except Exception as e:
-        return {"error": type(e).__name__, "message": str(e)}
-    raise ValueError(kind)
-
-for action in json.loads(sys.argv[1]):
-    print("RESULT " + json.dumps(run(action)), flush=True)
-'''
-
 
 # --- the artifact and the server ------------------------------------------------------------------------------
 
@@ -214,10 +180,9 @@ def hub_env(hub, hf_home: Path, *, offline: bool = False) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def client(hub, run_python, tmp_path_factory):
+def client(hub, run_python):
     """``client(actions, hf_home, offline=False)``: run the actions in a fresh process; returns their results."""
-    script = tmp_path_factory.mktemp("client") / "client.py"
-    script.write_text(CLIENT)
+    script = Path(__file__).with_name("hub_client.py")
 
     def run(actions: list[dict], hf_home: Path, *, offline: bool = False) -> list[dict]:
         proc = run_python(str(script), json.dumps(actions), env=hub_env(hub, hf_home, offline=offline), timeout=600)
@@ -315,16 +280,19 @@ def test_revision_pinning(client, artifacts, hub, tmp_path):
 def test_run_command_takes_a_repo_and_its_revision(hub, run_python, local_tokens, tmp_path):
     """`python -m optimum_qnn run REPO --revision v1`: the command downloads the pinned revision and generates what
     the local folder does; a SoC the revision does not have is refused with the variants it has."""
-    env = hub_env(hub, tmp_path / "hf")
-    ids = ",".join(map(str, PROMPT))
-    proc = run_python("-m", "optimum_qnn", "run", REPO, "--revision", "v1", "--soc", "SM8650", "--prompt-ids", ids,
-                      "--max-new-tokens", "4", env=env, timeout=600)
+
+    def run(soc: str):
+        return run_python("-m", "optimum_qnn", "run", REPO, "--revision", "v1", "--soc", soc, "--prompt-ids",
+                          ",".join(map(str, PROMPT)), "--max-new-tokens", "4", env=hub_env(hub, tmp_path / "hf"), timeout=600)
+
+    proc = run("SM8650")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"[{len(PROMPT)} prompt + 4 new tokens" in proc.stdout.splitlines()[-1], proc.stdout
+    new_ids, stats = proc.stdout.splitlines()[-2:]  # the tiny model has no tokenizer: the new ids are printed
+    assert new_ids == ",".join(map(str, local_tokens["SM8650"][len(PROMPT):])), (new_ids, local_tokens)
+    assert stats.startswith(f"[{len(PROMPT)} prompt + 4 new tokens"), proc.stdout
     (snapshot,) = (tmp_path / "hf" / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots").iterdir()
     assert snapshot.name == hub["v1_sha"]
-    proc = run_python("-m", "optimum_qnn", "run", REPO, "--revision", "v1", "--soc", "SM8750", "--prompt-ids", ids,
-                      env=env, timeout=600)
+    proc = run("SM8750")
     assert proc.returncode == 2 and "No variant for soc=SM8750" in proc.stderr and "SM8650/fp16/ctx32/kv" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
