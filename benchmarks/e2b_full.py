@@ -10,7 +10,11 @@ stage lines, its choice of shards, the process's peak RSS, the wall time, and th
 
 Run it alone: it needs most of the machine's memory, and anything beside it changes both figures.
 
-Usage: python benchmarks/e2b_full.py [--work DIR] [--soc SM8650] [--quant 16a4w_block] [-- extra export flags]
+`--model e4b` does the same for Gemma-4-E4B (benchmarks/e2b_width.e4b_config, rows in e4b_full.json). A run that
+fails (killed for memory: exit -9) is stored too, with the stages it finished, beside the exporter's estimate.
+
+Usage: python benchmarks/e2b_full.py [--model e2b|e4b] [--work DIR] [--soc SM8650] [--quant 16a4w_block]
+       [--memory-limit GB] [-- extra export flags]
 """
 
 from __future__ import annotations
@@ -37,11 +41,16 @@ RECIPE_VERSION = 1
 SHARDS = 5
 
 
-def published_config():
+# --model: the text config, the cached checkpoint's folder name, the rows file.
+MODELS = {"e2b": (e2b_width.e2b_config, "e2b-full", "e2b_full.json"),
+          "e4b": (e2b_width.e4b_config, "e4b-full", "e4b_full.json")}
+
+
+def published_config(model: str = "e2b"):
     from transformers import Gemma4Config
     from transformers.models.gemma4 import configuration_gemma4 as configs
 
-    text = e2b_width.e2b_config()
+    text = MODELS[model][0]()
     config = Gemma4Config(
         text_config=text.to_dict(), vision_config=configs.Gemma4VisionConfig().to_dict(),
         audio_config=configs.Gemma4AudioConfig().to_dict(), tie_word_embeddings=True,
@@ -51,19 +60,19 @@ def published_config():
     return config
 
 
-def build(folder: Path, seed: int = 0) -> Path:
-    """Write the checkpoint to `folder` unless the same recipe is there already."""
+def build(folder: Path, seed: int = 0, model: str = "e2b") -> Path:
+    """Write the checkpoint of `model` (e2b or e4b) to `folder` unless the same recipe is there already."""
     from safetensors.torch import save_file
     from transformers import Gemma4ForConditionalGeneration
 
     folder = Path(folder)
     stamp = folder / "recipe.json"
-    recipe = {"version": RECIPE_VERSION, "seed": seed, "shards": SHARDS}
+    recipe = {"version": RECIPE_VERSION, "seed": seed, "shards": SHARDS, **({"model": model} if model != "e2b" else {})}
     if stamp.is_file() and json.loads(stamp.read_text()) == recipe:
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    config = published_config()
+    config = published_config(model)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Gemma4ForConditionalGeneration(config).state_dict().items()}
     shapes.pop("lm_head.weight", None)  # tied to the token table
@@ -97,14 +106,14 @@ def build(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-_STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB")
+_STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB(?: \(anonymous (?P<anon>\d+) MB\))?")
 
 
 PROFILE_RATE = 20  # py-spy samples per second (benchmarks/lowering_profile.py reads the profile)
 
 
 def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str, extra: list[str],
-               memory_limit_gb: float | None = None, profile: Path | None = None) -> dict:
+               memory_limit_gb: float | None = None, profile: Path | None = None, allow_failure: bool = False) -> dict:
     """`optimum-cli export qnn` for ``soc`` (one SoC, or several in one export) under `/usr/bin/time -v`: its stage
     lines, wall time, peak RSS, CPU share and the (first) .pte's components. The log goes beside ``out``."""
     shutil.rmtree(out, ignore_errors=True)
@@ -131,14 +140,21 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str, ext
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     (out.parent / f"{out.name}.log").write_text(log)
-    if proc.returncode:
-        raise SystemExit(f"export failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n{log[-3000:]}")
     stages = [(m["name"], float(m["s"]), int(m["mb"]) / 1024) for m in _STAGE.finditer(log)]
+    anonymous = {m["name"]: int(m["anon"]) / 1024 for m in _STAGE.finditer(log) if m["anon"]}
+    memory = next((line for line in log.splitlines() if "Memory:" in line), "")
+    if proc.returncode:
+        print(f"export failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n{log[-3000:]}", flush=True)
+        if not allow_failure:
+            raise SystemExit(1)
+        # What a failed run shows: where it stopped (the stages it finished) and how (-9 / 137: killed for memory).
+        return {"failed": proc.returncode, "stages": stages, "anonymous_gb": anonymous, "wall_s": wall,
+                "memory_line": memory.split("Memory:", 1)[-1].strip(), "log_tail": log[-1500:],
+                **({"memory_limit_gb": memory_limit_gb, "cgroup_peak_gb": group_peak} if group else {})}
     max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)) / 2**20
     cpu_percent = int(re.search(r"Percent of CPU this job got: (\d+)%", log).group(1))
-    memory = next((line for line in log.splitlines() if "Memory:" in line), "")
     pte = next(out.rglob("model.pte"))
-    result = {"stages": stages, "wall_s": wall, "max_rss_gb": max_rss, "cpu_percent": cpu_percent, "memory_line": memory.split("Memory:", 1)[-1].strip(),
+    result = {"stages": stages, "anonymous_gb": anonymous, "wall_s": wall, "max_rss_gb": max_rss, "cpu_percent": cpu_percent, "memory_line": memory.split("Memory:", 1)[-1].strip(),
               "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30, "components": components(pte)}
     if group:
         result["memory_limit_gb"] = memory_limit_gb
@@ -268,7 +284,9 @@ def section() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/e2b-full"))
+    parser.add_argument("--model", choices=sorted(MODELS), default="e2b",
+                        help="Gemma-4-E2B or Gemma-4-E4B at full size (rows in e2b_full.json / e4b_full.json)")
+    parser.add_argument("--work", type=Path, default=None, help="default: /tmp/MODEL-full")
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--quant", default="16a4w_block")
     parser.add_argument("--memory-limit", type=float, default=None, metavar="GB",
@@ -279,11 +297,18 @@ def main() -> int:
                         "sampling is part of what was timed)")
     parser.add_argument("extra", nargs="*", help="more export flags (after --)")
     args = parser.parse_args()
-    folder = CACHE / "bench-models" / "e2b-full"
+    _, name, rows_file = MODELS[args.model]
+    args.work = args.work or Path(f"/tmp/{name}")
+    folder = CACHE / "bench-models" / name
     t0 = time.perf_counter()
-    build(folder)
+    build(folder, model=args.model)
     print(f"checkpoint: {folder} ({time.perf_counter() - t0:.0f} s)")
-    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit, args.profile)
+    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit, args.profile,
+                        allow_failure=args.profile is None)
+    result["estimate"] = estimate_stages(args.model, args.quant, result["memory_line"])
+    if "failed" in result:
+        store(Path(__file__).parent / rows_file, row_key(args), result)
+        return 1
     rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
     rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
     rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {result['max_rss_gb']:.1f} |")
@@ -302,18 +327,41 @@ def main() -> int:
                                commit=run.source_commit(), wall_s=result["wall_s"], cpu_percent=result["cpu_percent"],
                                stages=result["stages"])
         return 0
+    store(Path(__file__).parent / rows_file, row_key(args), result)
+    return 0
+
+
+def row_key(args) -> str:
+    """The row's key: the shard count given (or auto), @ the memory cgroup's size, prefixed by a scheme other than
+    16a4w_block."""
     shards = next((args.extra[i + 1] for i, a in enumerate(args.extra[:-1]) if a == "--shards"), "auto")
     if args.memory_limit:
         shards += f"@{args.memory_limit:g}GB"
     if args.quant != "16a4w_block":
         shards = f"{args.quant}:{shards}"
-    stored = json.loads(RESULTS_FILE.read_text()) if RESULTS_FILE.is_file() else {"runs": {}}
-    stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
+    return shards
+
+
+def store(rows_file: Path, key: str, result: dict) -> None:
     import run  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
 
-    stored["runs"][shards] = {**{k: v for k, v in result.items() if k != "pte"}, "commit": run.source_commit()}
-    RESULTS_FILE.write_text(json.dumps(stored, indent=1))
-    return 0
+    stored = json.loads(rows_file.read_text()) if rows_file.is_file() else {"runs": {}}
+    stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
+    stored["runs"][key] = {**{k: v for k, v in result.items() if k != "pte"}, "commit": run.source_commit()}
+    rows_file.write_text(json.dumps(stored, indent=1))
+
+
+def estimate_stages(model: str, quant: str, memory_line: str) -> dict[str, float] | None:
+    """The exporter's own per-stage estimate (optimum_qnn.exporter.memory) at the shard count it printed, as it
+    stood before the run: what the run's measurement is held against."""
+    from optimum_qnn.config import ExportConfig, QuantScheme
+    from optimum_qnn.exporter.memory import ParameterCounts, estimate
+
+    chosen = re.match(r"(\d+) shard", memory_line)
+    if not chosen:
+        return None
+    counts = ParameterCounts.from_config(MODELS[model][0]())
+    return estimate(counts, ExportConfig(quant=QuantScheme(quant)), int(chosen.group(1))).stages
 
 
 def mem_total_gb() -> float:

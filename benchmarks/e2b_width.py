@@ -25,27 +25,41 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from optimum_qnn.exporter.memory import ParameterCounts
 
 E2B_LAYERS, E2B_REUSE = 35, 20
+E4B_LAYERS, E4B_REUSE = 42, 18
 RECIPE_VERSION = 1
 
 
 def e2b_config(depth: int = E2B_LAYERS, reuse: int = E2B_REUSE) -> Gemma4TextConfig:
     """Gemma-4-E2B's text config with `depth` layers, the last `reuse` of which reuse an earlier layer's KV."""
-    pattern = ["sliding_attention"] * 4 + ["full_attention"]
+    return _config(depth, reuse, hidden=1536, mlp=6144, kv_heads=1, sliding_per_full=4, double_wide_mlp=True)
+
+
+def e4b_config() -> Gemma4TextConfig:
+    """Gemma-4-E4B's text config as published (google/gemma-4-e4b's `text_config`): 42 layers in groups of 5 sliding
+    + 1 full, the last 18 reusing an earlier layer's KV, hidden 2560, 8 query heads, 2 KV heads, head_dim 256 sliding
+    / 512 full with partial RoPE, one MLP width (10240) in every layer; vocabulary, window, per-layer embeddings of
+    256 per layer, RoPE and softcap as E2B."""
+    return _config(E4B_LAYERS, E4B_REUSE, hidden=2560, mlp=10240, kv_heads=2, sliding_per_full=5, double_wide_mlp=False)
+
+
+def _config(depth: int, reuse: int, *, hidden: int, mlp: int, kv_heads: int, sliding_per_full: int,
+            double_wide_mlp: bool) -> Gemma4TextConfig:
+    pattern = ["sliding_attention"] * sliding_per_full + ["full_attention"]
     return Gemma4TextConfig(
         vocab_size=262144,
         vocab_size_per_layer_input=262144,
-        hidden_size=1536,
-        intermediate_size=6144,
+        hidden_size=hidden,
+        intermediate_size=mlp,
         num_hidden_layers=depth,
         num_attention_heads=8,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         head_dim=256,
         global_head_dim=512,
-        # transformers forces the last layer to full attention (E2B's 35th is full anyway)
-        layer_types=[pattern[i % 5] for i in range(depth - 1)] + ["full_attention"],
+        # transformers forces the last layer to full attention (E2B's 35th and E4B's 42nd are full anyway)
+        layer_types=[pattern[i % len(pattern)] for i in range(depth - 1)] + ["full_attention"],
         sliding_window=512,
         num_kv_shared_layers=reuse,
-        use_double_wide_mlp=True,
+        use_double_wide_mlp=double_wide_mlp,
         hidden_size_per_layer_input=256,
         final_logit_softcapping=30.0,
         max_position_embeddings=131072,

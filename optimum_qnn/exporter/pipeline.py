@@ -46,11 +46,14 @@ stage_logger = logging.getLogger("optimum_qnn.stages")
 
 @dataclass
 class StageStats:
-    """Wall time of one stage, and the highest RSS of the process while it ran."""
+    """Wall time of one stage, and the highest RSS of the process while it ran; and the highest anonymous part of it
+    (RSS less the file-backed and shared pages: the checkpoint's mapped bf16 pages are file-backed, and a memory
+    limit's reclaim can drop and re-read them, while anonymous memory has to fit), 0 where /proc is not there."""
 
     name: str
     seconds: float
     peak_rss_mb: float
+    peak_anon_mb: float = 0.0
 
 
 @dataclass
@@ -66,8 +69,8 @@ class ExportResult:
     swap_summary: str = ""
 
     def stage_table(self) -> str:
-        lines = [f"{'stage':<12} {'wall s':>8} {'peak RSS MB':>12}"]
-        lines += [f"{s.name:<12} {s.seconds:>8.1f} {s.peak_rss_mb:>12.0f}" for s in self.stages]
+        lines = [f"{'stage':<12} {'wall s':>8} {'peak RSS MB':>12} {'anon MB':>8}"]
+        lines += [f"{s.name:<12} {s.seconds:>8.1f} {s.peak_rss_mb:>12.0f} {s.peak_anon_mb:>8.0f}" for s in self.stages]
         return "\n".join(lines)
 
 
@@ -79,8 +82,18 @@ def peak_rss_mb() -> float:
 def _rss_mb() -> float:
     """This process's RSS plus the private memory of its running QNN compile workers (their pages shared with it
     are in its RSS already)."""
+    return _memory_mb()[0]
+
+
+def _memory_mb() -> tuple[float, float]:
+    """(RSS, anonymous RSS) of this process in MiB, each plus the private memory of its running QNN compile workers
+    (their pages shared with it are in its RSS already). statm: resident pages, then the shared (file-backed and
+    shmem) ones among them."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20 + workers_private_mb()
+        fields = f.read().split()
+    page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+    resident, shared, workers = int(fields[1]) * page_mb, int(fields[2]) * page_mb, workers_private_mb()
+    return resident + workers, resident - shared + workers
 
 
 class _RssSampler(threading.Thread):
@@ -88,17 +101,22 @@ class _RssSampler(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak = _rss_mb()
+        self.peak, self.peak_anon = _memory_mb()
         self._stop_event = threading.Event()
+
+    def _sample(self) -> None:
+        rss, anon = _memory_mb()
+        self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
 
     def run(self) -> None:
         while not self._stop_event.wait(0.05):
-            self.peak = max(self.peak, _rss_mb())
+            self._sample()
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
         self._stop_event.set()
         self.join()
-        return max(self.peak, _rss_mb())
+        self._sample()
+        return self.peak, self.peak_anon
 
 
 @contextmanager
@@ -113,11 +131,12 @@ def _stage(result: ExportResult, name: str) -> Iterator[None]:
         yield
     finally:
         seconds = time.perf_counter() - t0
-        peak = sampler.stop() if sampler else peak_rss_mb()  # without /proc: the process's peak so far
+        # without /proc: the process's peak so far
+        peak, anon = sampler.stop() if sampler else (peak_rss_mb(), 0.0)
         if peak_rss_mb() > high_water:  # a new process peak was set during this stage (catches spikes < 50 ms)
             peak = max(peak, peak_rss_mb())
-    result.stages.append(StageStats(name, seconds, peak))
-    stage_logger.info("[%s] done in %.1f s, peak RSS %.0f MB", name, seconds, peak)
+    result.stages.append(StageStats(name, seconds, peak, anon))
+    stage_logger.info("[%s] done in %.1f s, peak RSS %.0f MB (anonymous %.0f MB)", name, seconds, peak, anon)
 
 
 def export(
