@@ -225,14 +225,15 @@ def components(pte: Path) -> dict[str, float]:
             "other": (total - htp - values - scales) / 2**30, "cpu_and_program": (total - htp) / 2**30}
 
 
-RESULTS_FILE = Path(__file__).parent / "e2b_full.json"
+TITLES = {"e2b": "Gemma-4-E2B", "e4b": "Gemma-4-E4B"}
 
 
-def section() -> str:
-    """The RESULTS.md section of the full-size runs stored in `RESULTS_FILE` (empty when there are none)."""
-    if not RESULTS_FILE.is_file():
+def section(model: str = "e2b") -> str:
+    """The RESULTS.md section of the full-size runs of ``model`` stored in its rows file (empty when there are none)."""
+    rows_file = Path(__file__).parent / MODELS[model][2]
+    if not rows_file.is_file():
         return ""
-    stored = json.loads(RESULTS_FILE.read_text())
+    stored = json.loads(rows_file.read_text())
     runs = stored["runs"]
     names = list(dict.fromkeys(name for run in runs.values() for name, _, _ in run["stages"]))
     if "plan" in names and "calibrate" in names:  # the recipe's plan stage runs just before calibration
@@ -252,32 +253,42 @@ def section() -> str:
         return f"no memory flags{where} ({chosen.group(1) if chosen else '?'} shards chosen)"
 
     def cell(run: dict, name: str) -> str:
+        """wall s / peak GB, then (rows that have them) the anonymous part and memory.py's estimate before the run."""
         found = [f"{s:.0f} / {gb:.1f}" for stage, s, gb in run["stages"] if stage == name]
-        return found[0] if found else "-"
+        if not found:
+            return "-"
+        anon = run.get("anonymous_gb", {}).get(name)
+        estimate = (run.get("estimate") or {}).get(name.split()[0])
+        extra = ([f"anon {anon:.1f}"] if anon is not None else []) + ([f"est {estimate:.1f}"] if estimate else [])
+        return found[0] + (f" ({', '.join(extra)})" if extra else "")
 
     header = ["stage"] + [f"{label(key, run)}: wall s / peak GB" for key, run in runs.items()]
     rows = [[name] + [cell(r, name) for r in runs.values()] for name in names]
-    rows.append(["**total** (wall, process max RSS)"] + [f"{r['wall_s']:.0f} / {r['max_rss_gb']:.1f}" for r in runs.values()])
+    rows.append(["**total** (wall, process max RSS)"] + [
+        f"{r['wall_s']:.0f} / {r['max_rss_gb']:.1f}" if "max_rss_gb" in r else f"failed (exit {r['failed']})"
+        for r in runs.values()])
     rows.append(["cgroup peak GB (RSS + page cache charged)"] + [
         f"{r['cgroup_peak_gb']:.1f}" if r.get("cgroup_peak_gb") else "-" for r in runs.values()])
     rows.append([".pte GiB (HTP contexts + CPU tables and program)"] + [
         f"{r['pte_gb']:.2f} ({r['components']['htp_contexts']:.2f} + {r['components']['cpu_and_program']:.2f})"
-        for r in runs.values()])
+        if "components" in r else "-" for r in runs.values()])
     parts = ("htp_contexts", "table_values", "table_scales", "other")
     rows.append([".pte parts GiB: HTP contexts / table values / table scales / other"] + [
-        " / ".join(f"{r['components'][p]:.2f}" for p in parts) if "table_values" in r["components"] else "-"
+        " / ".join(f"{r['components'][p]:.2f}" for p in parts) if "table_values" in r.get("components", {}) else "-"
         for r in runs.values()])
     rows.append(["commit measured on"] + [r.get("commit", "not recorded") for r in runs.values()])
     table = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     return (
-        "## Full-size Gemma-4-E2B, from the command users type\n\n"
+        f"## Full-size {TITLES[model]}, from the command users type\n\n"
         f"Measured (benchmarks/e2b_full.py) on {stored['machine']}: the published multimodal layout (`model_type` "
         "gemma4 with `text_config`, text weights under `model.language_model.*`, vision and audio towers present and "
         "skipped, random bf16 weights, 5 safetensors shards with an index), `optimum-cli export qnn --model DIR "
         "--output OUT --soc SM8650 --quant 16a4w_block (or as named) [--max-seq-len 1024 --prefill-ar-len 128 --shards N --max-memory 23]` "
         "(the bracketed flags only in the --shards columns; 1024 and 128 are the defaults; peak GB: "
-        "the stage's highest RSS sampled every 50 ms, including the shard compile workers' private memory; the total "
-        "row's RSS is `/usr/bin/time`'s, the largest single process). One export at a time, nothing else running.\n\n"
+        "the stage's highest RSS sampled every 50 ms, including the shard compile workers' private memory; anon: the "
+        "highest anonymous part of it (RSS less file-backed pages), est: memory.py's estimate before the run, where "
+        "a row has them; the total row's RSS is `/usr/bin/time`'s, the largest single process). One export at a "
+        "time, nothing else running.\n\n"
         + table + "\n\n" + stored.get("notes", "") + "\n\n"
     )
 

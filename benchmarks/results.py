@@ -1,6 +1,6 @@
-"""benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json
-(e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py), chat_reuse.json
-(chat_reuse.py), lowering_profile.json (e2b_full.py --profile) and multi_soc.json (multi_soc.py). Nothing here
+"""benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json and
+e4b_full.json (e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py),
+chat_reuse.json (chat_reuse.py), lowering_profile.json (e2b_full.py --profile) and multi_soc.json (multi_soc.py). Nothing here
 measures; `lookup` resolves the row keys that README.md quotes figures under (tests/test_figures.py checks them).
 
 Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
@@ -199,7 +199,7 @@ def render(results: dict) -> str:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
-        "e2b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json) by benchmarks/results.py; a row's `commit` column is "
+        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json) by benchmarks/results.py; a row's `commit` column is "
         "the commit it was measured on (`not recorded`: measured before rows recorded it). "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
@@ -220,7 +220,7 @@ def render(results: dict) -> str:
         "and lm_head are in the intercept. Peak RSS is fitted per stage and the maximum taken. It is an "
         "extrapolation from two depths, not a measurement.\n\n"
         + cost_text + "\n\n" + "".join(f"{n}\n\n" for n in notes)
-        + e2b_full.section()
+        + e2b_full.section("e2b") + e2b_full.section("e4b")
         + ("## Side by side with optimum-executorch\n\n"
            "Both as fresh `optimum-cli` processes on the same tiny model (import time included; peak RSS of the "
            "process): the demo Gemma4's config with one head layout on every layer (optimum-executorch sizes its KV "
