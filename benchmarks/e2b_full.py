@@ -140,25 +140,26 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str, ext
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     (out.parent / f"{out.name}.log").write_text(log)
-    stages = [(m["name"], float(m["s"]), int(m["mb"]) / 1024) for m in _STAGE.finditer(log)]
-    anonymous = {m["name"]: int(m["anon"]) / 1024 for m in _STAGE.finditer(log) if m["anon"]}
+    found = list(_STAGE.finditer(log))
     memory = next((line for line in log.splitlines() if "Memory:" in line), "")
+    result = {"stages": [(m["name"], float(m["s"]), int(m["mb"]) / 1024) for m in found],
+              "anonymous_gb": {m["name"]: int(m["anon"]) / 1024 for m in found if m["anon"]}, "wall_s": wall,
+              "memory_line": memory.split("Memory:", 1)[-1].strip()}
+    if group:
+        result["memory_limit_gb"] = memory_limit_gb
+        result["cgroup_peak_gb"] = group_peak  # the cgroup's own high-water mark: RSS plus the page cache it was charged
     if proc.returncode:
         print(f"export failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n{log[-3000:]}", flush=True)
         if not allow_failure:
             raise SystemExit(1)
         # What a failed run shows: where it stopped (the stages it finished) and how (-9 / 137: killed for memory).
-        return {"failed": proc.returncode, "stages": stages, "anonymous_gb": anonymous, "wall_s": wall,
-                "memory_line": memory.split("Memory:", 1)[-1].strip(), "log_tail": log[-1500:],
-                **({"memory_limit_gb": memory_limit_gb, "cgroup_peak_gb": group_peak} if group else {})}
-    max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)) / 2**20
-    cpu_percent = int(re.search(r"Percent of CPU this job got: (\d+)%", log).group(1))
+        return {"failed": proc.returncode, **result, "log_tail": log[-1500:]}
     pte = next(out.rglob("model.pte"))
-    result = {"stages": stages, "anonymous_gb": anonymous, "wall_s": wall, "max_rss_gb": max_rss, "cpu_percent": cpu_percent, "memory_line": memory.split("Memory:", 1)[-1].strip(),
-              "pte": str(pte), "pte_gb": pte.stat().st_size / 2**30, "components": components(pte)}
-    if group:
-        result["memory_limit_gb"] = memory_limit_gb
-        result["cgroup_peak_gb"] = group_peak  # the cgroup's own high-water mark: RSS plus the page cache it was charged
+    result.update(
+        max_rss_gb=int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)) / 2**20,
+        cpu_percent=int(re.search(r"Percent of CPU this job got: (\d+)%", log).group(1)),
+        pte=str(pte), pte_gb=pte.stat().st_size / 2**30, components=components(pte),
+    )
     return result
 
 
@@ -228,9 +229,14 @@ def components(pte: Path) -> dict[str, float]:
 TITLES = {"e2b": "Gemma-4-E2B", "e4b": "Gemma-4-E4B"}
 
 
+def rows_path(model: str) -> Path:
+    """benchmarks/e2b_full.json or e4b_full.json: the stored runs of ``model``."""
+    return Path(__file__).parent / MODELS[model][2]
+
+
 def section(model: str = "e2b") -> str:
     """The RESULTS.md section of the full-size runs of ``model`` stored in its rows file (empty when there are none)."""
-    rows_file = Path(__file__).parent / MODELS[model][2]
+    rows_file = rows_path(model)
     if not rows_file.is_file():
         return ""
     stored = json.loads(rows_file.read_text())
@@ -308,7 +314,7 @@ def main() -> int:
                         "sampling is part of what was timed)")
     parser.add_argument("extra", nargs="*", help="more export flags (after --)")
     args = parser.parse_args()
-    _, name, rows_file = MODELS[args.model]
+    name = MODELS[args.model][1]
     args.work = args.work or Path(f"/tmp/{name}")
     folder = CACHE / "bench-models" / name
     t0 = time.perf_counter()
@@ -318,7 +324,7 @@ def main() -> int:
                         allow_failure=args.profile is None)
     result["estimate"] = estimate_stages(args.model, args.quant, result["memory_line"])
     if "failed" in result:
-        store(Path(__file__).parent / rows_file, row_key(args), result)
+        store(rows_path(args.model), row_key(args), result)
         return 1
     rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
     rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
@@ -338,7 +344,7 @@ def main() -> int:
                                commit=run.source_commit(), wall_s=result["wall_s"], cpu_percent=result["cpu_percent"],
                                stages=result["stages"])
         return 0
-    store(Path(__file__).parent / rows_file, row_key(args), result)
+    store(rows_path(args.model), row_key(args), result)
     return 0
 
 
