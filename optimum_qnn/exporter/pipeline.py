@@ -112,11 +112,12 @@ class _RssSampler(threading.Thread):
         while not self._stop_event.wait(0.05):
             self._sample()
 
-    def stop(self) -> tuple[float, float]:
+    def stop(self) -> float:
+        """Stop sampling; returns the peak RSS (the anonymous peak is `peak_anon`)."""
         self._stop_event.set()
         self.join()
         self._sample()
-        return self.peak, self.peak_anon
+        return self.peak
 
 
 @contextmanager
@@ -132,7 +133,7 @@ def _stage(result: ExportResult, name: str) -> Iterator[None]:
     finally:
         seconds = time.perf_counter() - t0
         # without /proc: the process's peak so far
-        peak, anon = sampler.stop() if sampler else (peak_rss_mb(), 0.0)
+        peak, anon = (sampler.stop(), sampler.peak_anon) if sampler else (peak_rss_mb(), 0.0)
         if peak_rss_mb() > high_water:  # a new process peak was set during this stage (catches spikes < 50 ms)
             peak = max(peak, peak_rss_mb())
     result.stages.append(StageStats(name, seconds, peak, anon))
