@@ -76,6 +76,7 @@ class LoadedProgram:
     @classmethod
     def get(cls, path: Path, facts: "ProgramFacts") -> "LoadedProgram":
         """The live program of ``path``'s content (``facts.sha256``), or a fresh load of it."""
+        check_host_can_run(facts.weight_sharing, str(path))  # before the cache: a live copy does not make it loadable
         with cls._live_lock:
             loaded = cls._live.get(facts.sha256)
             if loaded is None:
@@ -133,15 +134,20 @@ def host_can_run(weight_sharing: bool, machine: str | None = None) -> bool:
     return not (weight_sharing and is_emulator_host(machine))
 
 
+def check_host_can_run(weight_sharing: bool, what: str) -> None:
+    """Refuse, before anything is loaded, a weight-shared program on the x86 HTP emulator (``what`` names it)."""
+    if not host_can_run(weight_sharing):
+        raise OptimumQnnError(
+            f"{what} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
+            "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
+        )
+
+
 def load_program(path: Path, facts: "ProgramFacts"):
     """Load the .pte with the QNN backend and the CPU kernels its embedding lookups need."""
     from optimum_qnn.sdk import check_runtime_can_load, ensure_qnn_sdk
 
-    if not host_can_run(facts.weight_sharing):
-        raise OptimumQnnError(
-            f"{path} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
-            "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
-        )
+    check_host_can_run(facts.weight_sharing, str(path))
     check_pte_structure(path)
     sdk = ensure_qnn_sdk()
     check_runtime_can_load(facts.qairt_build_id, sdk.build_id, runtime_source=sdk.source)

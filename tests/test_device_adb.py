@@ -233,6 +233,68 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
     assert model.generate(prompt, max_new_tokens=0).tolist() == [prompt] and len(phone.calls("shell")) == runs
 
 
+def kv_only_copy(artifact: Path, folder: Path) -> Path:
+    """The phone artifact with its variant made a kv-mode one (decode method only), the stand-in program kept."""
+    import shutil
+
+    root = folder / "kv-artifact"
+    shutil.copytree(artifact, root)
+    variant = root / "qnn/sm8650/fp16-ctx48"
+    manifest = json.loads((variant / "manifest.json").read_text())
+    manifest["contract"]["methods"] = [m for m in manifest["contract"]["methods"] if m["name"] == "kv_forward"]
+    (variant / "manifest.json").write_text(json.dumps(manifest))
+    index = json.loads((root / "qnn_index.json").read_text())
+    index["variants"][0]["mode"] = "kv"
+    (root / "qnn_index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_phone_path_kv_variant_callers_eos_text_and_sampling(artifact, setup, phone, tokenizer, tmp_path):
+    """What a phone user passes besides token ids: a kv-mode variant, their own end token, text, a temperature; and
+    what the runner cannot do (top-k, top-p, a seeded generator) refused before anything runs."""
+    from transformers import AutoTokenizer
+
+    reply, record = setup
+    text = " the statement is executed"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    observer = {"prompt_tokens": 3, "generated_tokens": len(ids) - 1, "decode_token_per_sec": 30.0}
+    reply.write_text(json.dumps({"text": text, "observer": observer}))
+
+    kv = load(kv_only_copy(artifact, tmp_path))
+    prompt = [2, 40, 41]
+    assert kv.generate(prompt, max_new_tokens=len(ids)).tolist() == [prompt + ids]
+    argv = json.loads(record.read_text())["argv"]
+    assert argv[argv.index("--eval_mode") + 1] == "0"  # kv mode: the runner prefills one token at a time
+    from optimum_qnn.errors import ContextOverflowError
+
+    with pytest.raises(ContextOverflowError, match=f"takes at most {CTX - 1}"):  # no prefill chunk to leave room for
+        kv.generate([5] * CTX)
+
+    model = load(artifact)
+    # A caller's end token cuts the runner's text after its first occurrence; the runner ran to the same length.
+    stop = ids[2]
+    out = model.generate(prompt, max_new_tokens=len(ids), eos_token_id=stop)
+    assert out[0, len(prompt):].tolist() == ids[:3] and model.stats.stopped_by == "eos"
+    argv = json.loads(record.read_text())["argv"]
+    assert argv[argv.index("--seq_len") + 1] == str(len(prompt) + len(ids))
+
+    # Text in, text out: the tokenizer's ids (with BOS) are the prompt file, the runner's new text comes back.
+    hf = AutoTokenizer.from_pretrained(artifact)
+    assert model.text_generation(hf, "The for statement", max_new_tokens=len(ids)) == text
+    want = hf("The for statement", add_special_tokens=True)["input_ids"]
+    assert bytes(json.loads(record.read_text())["prompt"]) == struct.pack(f"<{len(want)}Q", *want)
+
+    # Sampling: the temperature reaches the runner; what its sampler lacks is refused without a run.
+    model.generate(prompt, max_new_tokens=len(ids), do_sample=True, temperature=0.7)
+    argv = json.loads(record.read_text())["argv"]
+    assert float(argv[argv.index("--temperature") + 1]) == 0.7
+    runs = len(phone.calls("shell"))
+    for extra in (dict(top_k=5), dict(top_p=0.9), dict(generator=torch.Generator().manual_seed(0))):
+        with pytest.raises(Exception, match="temperature only"):
+            model.generate(prompt, max_new_tokens=4, do_sample=True, **extra)
+    assert len(phone.calls("shell")) == runs
+
+
 def test_files_with_the_same_sha256_are_not_pushed_again(artifact, setup, phone, tmp_path):
     load(artifact)
     assert len(phone.pushed()) == 10

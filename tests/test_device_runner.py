@@ -118,3 +118,20 @@ def test_runner_device_errors(fp16_export, tmp_path, monkeypatch):
         model.generate([2, 40, 41], max_new_tokens=4)
     with pytest.raises(Exception, match="temperature only"):
         model.generate([2, 40], max_new_tokens=4, do_sample=True, top_k=5)
+
+
+def test_runner_device_refuses_a_weight_shared_variant_on_x86(fp16_export, tmp_path, monkeypatch):
+    """On x86 the runner drives the emulator, which cannot load a weight-shared context: refused before it runs."""
+    import shutil
+
+    from optimum_qnn.errors import OptimumQnnError
+    from tests.test_modeling import share_weights_in_manifest
+
+    monkeypatch.setenv("OPTIMUM_QNN_RUNNER_WORKSPACE", str(tmp_path / "workspace"))
+    root = tmp_path / "copy"
+    shutil.copytree(fp16_export.output, root)
+    share_weights_in_manifest(root / fp16_export.variants[0].relative_to(fp16_export.output))
+    runner, reply, record = _stand_in(tmp_path / "build")
+    with pytest.raises(OptimumQnnError, match=r"The SM8650 variant's model.pte shares weights .*--no-weight-sharing"):
+        QNNModelForCausalLM.from_pretrained(root, device="runner", runner=runner)
+    assert not record.exists()  # the runner never ran

@@ -186,6 +186,14 @@ def test_shared_and_unshared_builds_hold_the_same_graphs(sharing_export):
     assert (ctx.soc, ctx.htp_arch, ctx.weight_sharing, ctx.size) == ("SM8650", 75, True, shared.contexts[0].size)
     assert [g.name for g in ctx.graphs] == [g.name for g in shared.contexts[0].graphs]
 
+    # The phone build itself, loaded on this x86 host: refused with the fix before anything loads.
+    from optimum_qnn.errors import OptimumQnnError
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    root = next(p for p in variant.parents if (p / "qnn_index.json").is_file())
+    with pytest.raises(OptimumQnnError, match="x86 HTP emulator cannot load.*--no-weight-sharing"):
+        QNNModelForCausalLM.from_pretrained(root)
+
 
 def test_inspect_command_text_and_json(fp16_export, run_python):
     from optimum_qnn.artifacts.manifest import read_manifest

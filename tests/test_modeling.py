@@ -237,6 +237,22 @@ def test_tampered_program_fails_the_sha256_check(artifact_copy):
         QNNModelForCausalLM.from_pretrained(root)
 
 
+def share_weights_in_manifest(variant) -> None:
+    """Make a variant's manifest say its program shares weights (the phone build), the file left as it is."""
+    d = json.loads((variant / "manifest.json").read_text())
+    d["contract"]["weight_sharing"] = True
+    (variant / "manifest.json").write_text(json.dumps(d))
+
+
+def test_a_weight_shared_program_is_refused_on_x86_before_loading(artifact_copy, fp16_model):
+    """The x86 emulator cannot load weight-shared contexts: such a variant is refused with the fix, even when the
+    same file is loaded in this process already (fp16_model holds it, and the program cache would hand it out)."""
+    root, variant = artifact_copy
+    share_weights_in_manifest(variant)
+    with pytest.raises(OptimumQnnError, match=r"shares weights .* x86 HTP emulator cannot load.*--no-weight-sharing"):
+        QNNModelForCausalLM.from_pretrained(root)
+
+
 def test_truncated_program_with_matching_manifest_is_refused_cleanly(artifact_copy):
     from optimum_qnn.artifacts.manifest import file_entry, read_manifest
 

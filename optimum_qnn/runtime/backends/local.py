@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from optimum_qnn.program import is_emulator_host
+from optimum_qnn.program import check_host_can_run, is_emulator_host
 from optimum_qnn.runtime.backends.device import DeviceError
 from optimum_qnn.sdk.loading import cache_home
 
@@ -75,8 +75,10 @@ class LocalTransport:
                               f"{WORKSPACE_ENV} to a writable folder") from None
 
     def check_target(self, manifest) -> None:
-        """An x86 host runs any SoC's variant on the emulator; elsewhere the SoC is read where Linux tells it."""
+        """An x86 host runs any SoC's variant on the emulator, if its weights are not shared; elsewhere the SoC is read
+        where Linux tells it."""
         if is_emulator_host():
+            check_host_can_run(manifest.contract.weight_sharing, f"The {manifest.target.soc} variant's model.pte")
             return
         from optimum_qnn.runtime.backends.soc import host_soc
 
