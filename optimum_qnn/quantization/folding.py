@@ -44,26 +44,28 @@ def fold_weight_quantization(graph: torch.fx.GraphModule, memo: dict | None = No
     from torchao.quantization.pt2e.constant_fold import ConstantFolder, replace_node_with_constant
     from torchao.quantization.pt2e.quantize_pt2e import _quant_node_constraint
 
-    dequantize_ops = {
-        torch.ops.quantized_decomposed.dequantize_per_tensor.default,
-        torch.ops.quantized_decomposed.dequantize_per_tensor.tensor,
-        torch.ops.quantized_decomposed.dequantize_per_channel.default,
-        torch.ops.torchao.dequantize_affine.default,
-    }
-
     if memo:
         _replace_memo_hits(graph, memo)
 
-    class QuantizeFolder(ConstantFolder):
+    class QuantizeFolder(ConstantFolder):  # one class per call: `deferred` is this fold's own
+        # cast nodes of a stored-dtype weight read by quantize ops only: their env value is the weight itself, uncast
+        deferred: set[torch.fx.Node] = set()
+
         def _deduce_value(self, node: torch.fx.Node):
-            if node.op == "call_function" and node.target in dequantize_ops:
+            if node.op == "call_function" and _is_dequantize(node.target):
                 return self.unknown_value
+            if _is_deferrable_cast(graph, node):
+                self.deferred.add(node)
+                return self.env[node.args[0]]
             if not _quant_node_constraint(node):
                 return super()._deduce_value(node)
             key = _fold_key(graph, node, self.env) if memo is not None else None
             if key is not None and key in memo:
                 return memo[key]
-            value = super()._deduce_value(node)
+            if node.args and node.args[0] in self.deferred:
+                value = _quantize_stored(node, *self.fetch_args_kwargs_from_env(node))
+            else:
+                value = super()._deduce_value(node)
             if key is not None:
                 memo[key] = value
             source = _fold_source(graph, node)
@@ -86,6 +88,44 @@ def fold_weight_quantization(graph: torch.fx.GraphModule, memo: dict | None = No
     graph.graph.eliminate_dead_code()
     graph.graph.lint()
     graph.recompile()
+
+
+def _is_dequantize(target) -> bool:
+    """A dequantize op, by its overload or its packet: convert_pt2e writes the block-wise weights' dequantize as the
+    packet `torch.ops.torchao.dequantize_affine` (no `.default`), per-tensor and per-channel ones as overloads."""
+    packet = getattr(target, "overloadpacket", target)
+    return packet in (
+        torch.ops.quantized_decomposed.dequantize_per_tensor,
+        torch.ops.quantized_decomposed.dequantize_per_channel,
+        torch.ops.torchao.dequantize_affine,
+    )
+
+
+def _is_deferrable_cast(graph: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """A cast to fp32 of a weight kept in its stored dtype (`weights.UpcastLinear`) whose every reader is a quantize
+    op: its fp32 copy need not exist, the quantize op casts the weight as it reads it (`_quantize_stored`)."""
+    from torchao.quantization.pt2e.quantize_pt2e import _quant_node_constraint
+
+    if not (node.op == "call_function" and node.target in _CASTS and node.users):
+        return False
+    source = node.args[0]
+    if not (isinstance(source, torch.fx.Node) and source.op == "get_attr"):
+        return False
+    weight = getattr(*_owner(graph, source.target))
+    to = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
+    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16) and to == torch.float32
+            and all(_quant_node_constraint(user) and user.args[0] is node for user in node.users))
+
+
+def _quantize_stored(node: torch.fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Evaluate quantize op ``node`` on a weight still in its stored dtype (``args[0]``) as if it had been cast to fp32
+    first (the cast is exact): within `kernels.chunked_weight_quantization` (as `pt2e.convert` folds), the per-channel
+    and block-wise kernels cast each chunk of rows as they read it; any other op gets the whole cast."""
+    from optimum_qnn.quantization.kernels import casts_chunks
+
+    if casts_chunks(node.target):
+        return node.target(*args, **kwargs)
+    return node.target(args[0].to(torch.float32), *args[1:], **kwargs)
 
 
 def _replace_memo_hits(graph: torch.fx.GraphModule, memo: Mapping) -> None:

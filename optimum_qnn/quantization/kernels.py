@@ -56,26 +56,47 @@ def _on_gathered_rows(kernel: Callable) -> Callable:
     return lookup
 
 
+_CHUNKED: set = set()  # the op packets whose chunked kernels are registered now (within `chunked_weight_quantization`)
+
+
+def casts_chunks(op) -> bool:
+    """Whether ``op`` is one whose kernel within `chunked_weight_quantization` takes a bf16 / fp16 weight and casts it
+    to fp32 one chunk of rows at a time (`folding._quantize_stored`: no fp32 copy of the whole weight)."""
+    return getattr(op, "overloadpacket", op) in _CHUNKED
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """A weight kept in its stored dtype, cast as the graph's cast would (exact); fp32 as it is."""
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
+
+
 def chunked_weight_quantization() -> contextlib.AbstractContextManager:
-    """`quantized_decomposed::quantize_per_channel` along axis 0 (a linear's output channels) in row chunks."""
+    """`quantized_decomposed::quantize_per_channel` along axis 0 (a linear's output channels) and `torchao::quantize_affine`
+    with per-row blocks in row chunks; a bf16 / fp16 input (a stored-dtype weight) is cast to fp32 chunk by chunk."""
     from torch.ao.quantization.fx import _decomposed as reference
 
     def quantize_per_channel(input, scales, zero_points, axis, quant_min, quant_max, dtype):
         if axis != 0 or input.shape[0] <= _chunk_rows(input):
-            return reference.quantize_per_channel(input, scales, zero_points, axis, quant_min, quant_max, dtype)
+            return reference.quantize_per_channel(_fp32(input), scales, zero_points, axis, quant_min, quant_max, dtype)
         return _in_row_chunks(input, dtype, lambda rows: reference.quantize_per_channel(
-            input[rows], scales[rows], zero_points[rows], 0, quant_min, quant_max, dtype))
+            _fp32(input[rows]), scales[rows], zero_points[rows], 0, quant_min, quant_max, dtype))
 
-    return _both(
+    return _registered(
+        {torch.ops.quantized_decomposed.quantize_per_channel, torch.ops.torchao.quantize_affine},
         cpu_kernels("quantized_decomposed", {"quantize_per_channel": quantize_per_channel}),
         cpu_kernels("torchao", {"quantize_affine": _chunked_quantize_affine}),
     )
 
 
 @contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
+def _registered(ops: set, first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
     with first, second:
-        yield
+        added = ops - _CHUNKED
+        _CHUNKED.update(added)
+        try:
+            yield
+        finally:
+            _CHUNKED.difference_update(added)
 
 
 def _chunked_quantize_affine(input, block_size, scale, zero_point, output_dtype, quant_min=None, quant_max=None):
@@ -93,9 +114,9 @@ def _chunked_quantize_affine(input, block_size, scale, zero_point, output_dtype,
     per_row = input.dim() >= 2 and block_size[0] == 1 and scale.dim() >= 1 and scale.shape[0] == input.shape[0]
     per_row = per_row and (zero_point is None or zero_point.shape[:1] == scale.shape[:1])
     if not per_row or input.shape[0] <= _chunk_rows(input):
-        return quantize(input, scale, zero_point)
+        return quantize(_fp32(input), scale, zero_point)
     return _in_row_chunks(input, dtype, lambda rows: quantize(
-        input[rows], scale[rows], None if zero_point is None else zero_point[rows]))
+        _fp32(input[rows]), scale[rows], None if zero_point is None else zero_point[rows]))
 
 
 def _chunk_rows(input: torch.Tensor) -> int:
