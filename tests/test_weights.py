@@ -80,6 +80,30 @@ def test_quantizing_a_mapped_weight_hands_its_pages_back_and_never_reads_them_ag
 
 
 @pytest.mark.parametrize("scheme", ["16a8w", "16a4w_block"])
+def test_no_prepared_graph_outlives_its_conversion(scheme):
+    """Once converted, a prepared graph and its observers are freed: PyTorch's and torchao's device lookups are
+    cached on the module they are given, which kept every prepared graph (a block-quantized weight's observer holds
+    four tensors of its scales' shape) alive through lowering."""
+    import gc
+    import weakref
+
+    from torchao.quantization.pt2e import ObserverBase
+
+    from optimum_qnn.quantization.pt2e import convert, make_quantizer, prepare
+
+    x = torch.randn(1, 2, 256)
+    prepared = prepare(torch.export.export(nn.Sequential(nn.Linear(256, 512, bias=False)), (x,)), make_quantizer(scheme))
+    with torch.no_grad():
+        prepared(x)
+    observers = [weakref.ref(m) for m in prepared.modules() if isinstance(m, ObserverBase)]
+    graph, prepared_ref = convert(prepared), weakref.ref(prepared)
+    del prepared
+    gc.collect()
+    assert len(observers) >= 2 and graph is not prepared_ref()  # an activation's and the weight's
+    assert prepared_ref() is None and not [r for r in observers if r() is not None]
+
+
+@pytest.mark.parametrize("scheme", ["16a8w", "16a4w_block"])
 def test_folding_a_bf16_weight_makes_no_fp32_copy_of_it(scheme):
     """The fold quantizes a bf16 weight (`UpcastLinear`) chunk by chunk, casting each chunk as it reads it: no fp32
     copy of the whole weight, and no evaluation of the dequantize op after it (convert_pt2e writes the block-wise one
