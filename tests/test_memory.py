@@ -296,3 +296,21 @@ def test_the_recipe_plan_and_gptq_count_what_they_hold(e2b):
     message = str(info.value)
     assert "(plan stage" in message and "--weight-rounding nearest (GPTQ holds every 4-bit linear's input Hessian, 31.5 GB" in message
     assert f"estimated peak {recipe.peak:.1f} GB" in message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc: Linux only")
+def test_return_free_heap_gives_back_what_the_heap_kept():
+    """Freed tensors below glibc's mmap threshold stay in the process's heap (and RSS) until trimmed: 3000 of 64 KiB
+    (below any threshold), freed all but the last (which pins the heap's top, so free() itself cannot shrink it)."""
+    import torch
+
+    from optimum_qnn.exporter.memory import _rss_gib, return_free_heap
+
+    return_free_heap()
+    tensors = [torch.ones(16 * 1024) for _ in range(3000)]  # 64 KiB each, touched: ~188 MiB resident
+    last = tensors.pop()
+    del tensors
+    kept = _rss_gib()
+    freed = return_free_heap()
+    assert freed * 1024 > 150, (kept, freed)  # MiB
+    assert last.sum().item() == 16 * 1024  # the live tensor is untouched

@@ -34,6 +34,7 @@ import torch
 
 from optimum_qnn.config import Soc
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
+from optimum_qnn.exporter.memory import return_free_heap
 from optimum_qnn.native_output import quiet_native_output
 from optimum_qnn.exporter.parallel_compile import default_workers, parallel_shard_compiles
 from optimum_qnn.progress import report_step
@@ -224,6 +225,8 @@ def lower_to_pte(
         multiple_contexts=bool(shard_starts),
     )
     logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
+    freed = return_free_heap()  # what calibration, the fold or the last SoC's lowering freed but the heap kept
+    logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
     with quiet_native_output() as native_log:
         report_step("re-exporting the graphs")
         exported = {name: _export_method(name, source) for name, source in programs.items()}

@@ -146,6 +146,8 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import get_current_qnn_manager
     from executorch.exir.backend.backend_details import PreprocessResult
 
+    from optimum_qnn.exporter.memory import return_free_heap
+
     spec = next(iter(compile_specs.values()))[0]
     option = flatbuffer_to_option(spec[0].value)
     counts = {len(programs) for programs in edge_programs.values()}
@@ -179,6 +181,7 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
                     binaries[i] = loaded
                     pool.count_done()
                 else:
+                    return_free_heap()  # the last shard's op wrappers: neither this process nor the fork keeps them
                     pool.start(i, _shard_params(programs[i] for programs in edge_programs.values()),
                                lambda: manager.Compile(graph_names, wrappers), binaries)
             finally:
