@@ -15,8 +15,8 @@ the normalised per-layer-input branch amplifies their error, hence the low 4-bit
     16a16w                         53.8        53.0
     16a8w                          38.5        54.4
     16a4w                          12.2        49.7
-    16a4w_block64                  12.9        54.3   (down_proj, 512 inputs, gets 32-blocks: emulator crash)
-    16a4w_block32                  14.9        53.5
+    16a4w_block64                  12.8        54.8   (down_proj, 512 inputs, gets 32-blocks: emulator crash)
+    16a4w_block32                  12.9        55.1
     16a4w_block64 + lm_head 16a8w  13.4        54.4
     8a8w                           19.0        16.5   (a score quantum of ~1.2 at 8 bits: HTP and fake-quant
                                                        rounding differences flip softmax weights)
@@ -69,7 +69,11 @@ CASES = {
     "16a8w": Case(QuantScheme.A16W8, 36.0, 51.0),
     "16a4w": Case(QuantScheme.A16W4, 10.5, 47.0, slow=True),
     "16a4w_block64": Case(QuantScheme.A16W4_BLOCK, 11.0, 51.0),
-    "16a4w_block32": Case(QuantScheme.A16W4_BLOCK, 13.0, 50.5, block_size=32, slow=True),
+    # 4-bit against fp32 depends on the draw more than on the block size. With the symmetric 4-bit tables (bf69eb4;
+    # the values the layer sees changed) this toy's 32-blocks went from 14.9 to 12.9 dB, and over toy seeds 0-2 they
+    # measured 12.9, 11.5, 14.7 dB (64-blocks 12.8, 12.1, 16.1); with the asymmetric tables 14.9, 9.9, 11.1 (64-blocks
+    # 12.9, 11.6, 12.3). The compile itself is what the fake-quant floor checks.
+    "16a4w_block32": Case(QuantScheme.A16W4_BLOCK, 12.5, 50.5, block_size=32, slow=True),
     "16a4w_block64+lm_head_16a8w": Case(
         QuantScheme.A16W4_BLOCK, 11.5, 51.0, overrides=((r"^lm_head$", "16a8w"),), slow=True
     ),
