@@ -201,3 +201,29 @@ def test_bf16_checkpoint_exports_the_program_of_its_fp32_values(bf16_and_fp32_ch
     sqnr = float("inf") if noise == 0 else 10 * torch.log10(logits["fp32"].pow(2).mean() / noise).item()
     print(f"bf16-stored vs fp32-stored export: logits SQNR {sqnr:.1f} dB")
     assert sqnr >= 48 and tokens["bf16"] == tokens["fp32"]
+
+
+def _rss_anon_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_embedding_tables_move_to_a_file_mapping_with_the_same_values(tmp_path):
+    """map_tables_to_file: the lookups return the same rows, the tables no longer count as anonymous memory, the
+    file is gone at once, and a file that cannot be written leaves the tables where they were."""
+    from optimum_qnn.config import EmbeddingQuant
+    from optimum_qnn.quantization.embedding import QuantizedEmbedding, map_tables_to_file
+
+    torch.manual_seed(0)
+    tables = [QuantizedEmbedding(torch.randn(1 << 16, 1024, dtype=torch.bfloat16), EmbeddingQuant(bits, 32))
+              for bits in (4, 8)]  # 32 + 64 MiB of values, 4 MiB of fp16 scales each
+    ids = torch.randint(0, 1 << 16, (1, 64))
+    before = [t(ids) for t in tables]
+    assert map_tables_to_file(tables, tmp_path / "missing" / "t.safetensors") == 0  # no such folder: left alone
+    anon = _rss_anon_kb()
+    moved = map_tables_to_file(tables, tmp_path / "t.safetensors")
+    assert moved == sum(b.nbytes for t in tables for b in t.buffers() if b is not None)
+    assert moved > 100 * 2**20 and not list(tmp_path.iterdir())
+    assert anon - _rss_anon_kb() > 90 * 1024  # kB: the tables' anonymous pages were freed
+    for table, rows in zip(tables, before):
+        assert torch.equal(table(ids), rows)

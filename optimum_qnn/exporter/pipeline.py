@@ -225,7 +225,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         )
         result.swap_summary = static.report.table()
         check_overrides_match(static.module, config)
-        _swap_embeddings_for_cpu(static, config)
+        _swap_embeddings_for_cpu(static, config, output)
         if stored:
             from optimum_qnn.quantization.embedding import QuantizedEmbedding
             from optimum_qnn.quantization.weights import upcast_in_graph
@@ -330,15 +330,23 @@ def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max
 _CPU_OPS = frozenset({"aten.embedding.default"})
 
 
-def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig) -> None:
-    """Replace the token and per-layer embedding tables with CPU-side (weight-only quantized) lookups."""
-    from optimum_qnn.quantization.embedding import QuantizedEmbedding
+def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig, output: Path | None = None) -> None:
+    """Replace the token and per-layer embedding tables with CPU-side (weight-only quantized) lookups; with
+    ``output``, their tables then live in a file mapping on its file system (`embedding.map_tables_to_file`)."""
+    from optimum_qnn.quantization.embedding import QuantizedEmbedding, map_tables_to_file
 
     text = static.module.model
     names = ["embed_tokens"] + (["embed_tokens_per_layer"] if text.ple_dim else [])
+    lookups = []
     for name in names:
         hf_embedding = getattr(text, name)
-        setattr(text, name, ScaledLookup(QuantizedEmbedding.from_embedding(hf_embedding, config.embedding_quant), hf_embedding.scalar_embed_scale))
+        lookups.append(QuantizedEmbedding.from_embedding(hf_embedding, config.embedding_quant))
+        setattr(text, name, ScaledLookup(lookups[-1], hf_embedding.scalar_embed_scale))
+    if output is None:
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    moved = map_tables_to_file(lookups, staging_path(output, ".tables"))
+    logger.info("Embedding tables mapped from a file: %.0f MB out of anonymous memory", moved / 2**20)
 
 
 def _release_float_weights(module: torch.nn.Module, graphs) -> None:
