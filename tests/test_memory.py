@@ -304,13 +304,13 @@ def test_return_free_heap_gives_back_what_the_heap_kept():
     (below any threshold), freed all but the last (which pins the heap's top, so free() itself cannot shrink it)."""
     import torch
 
-    from optimum_qnn.exporter.memory import _rss_gib, return_free_heap
+    from optimum_qnn.exporter.memory import return_free_heap, rss_kb
 
     return_free_heap()
     tensors = [torch.ones(16 * 1024) for _ in range(3000)]  # 64 KiB each, touched: ~188 MiB resident
     last = tensors.pop()
     del tensors
-    kept = _rss_gib()
+    kept = rss_kb()
     freed = return_free_heap()
     assert freed * 1024 > 150, (kept, freed)  # MiB
     assert last.sum().item() == 16 * 1024  # the live tensor is untouched

@@ -405,31 +405,27 @@ def return_free_heap() -> float:
     7.68 GiB after one trim. The compile workers are forked from this process, and its RSS counts against the
     export's memory budget: the lowering trims when it starts and before each shard's compile is forked."""
     import ctypes
-    import ctypes.util
 
     global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name) if name else None
-        except OSError:
-            libc = None
-        _libc = libc if libc is not None and hasattr(libc, "malloc_trim") else False  # musl and macOS have none
+    if _libc is None:  # the process's own C library, as `weights.release_pages` finds madvise
+        libc = ctypes.CDLL(None)
+        _libc = libc if hasattr(libc, "malloc_trim") else False  # musl and macOS have none
     if not _libc:
         return 0.0
-    before = _rss_gib()
+    before = rss_kb()
     _libc.malloc_trim(0)
-    return max(0.0, before - _rss_gib())
+    return max(0, before - rss_kb()) / 2**20
 
 
 _libc = None  # the C library once looked up; False where it has no malloc_trim
 
 
-def _rss_gib() -> float:
+def rss_kb() -> int:
+    """This process's resident set, in kB (/proc/self/statm)."""
     import os
 
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GB_BYTES
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 def parse_max_memory(text: str | float) -> float:

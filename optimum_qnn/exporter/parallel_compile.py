@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from optimum_qnn.exporter.memory import return_free_heap, rss_kb
 from optimum_qnn.progress import COMPILED_MESSAGE, PREPARING_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -105,11 +106,6 @@ def _available_kb() -> float:
     return float("inf") if available is None else available * 2**20
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
 @contextlib.contextmanager
 def parallel_shard_compiles(workers: int, budget_gb: float | None = None) -> Iterator[None]:
     """While active, QnnBackend compiles the shards of a multi-method lowering in up to ``workers`` processes, a new
@@ -146,8 +142,6 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import get_current_qnn_manager
     from executorch.exir.backend.backend_details import PreprocessResult
 
-    from optimum_qnn.exporter.memory import return_free_heap
-
     spec = next(iter(compile_specs.values()))[0]
     option = flatbuffer_to_option(spec[0].value)
     counts = {len(programs) for programs in edge_programs.values()}
@@ -181,7 +175,7 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
                     binaries[i] = loaded
                     pool.count_done()
                 else:
-                    return_free_heap()  # the last shard's op wrappers: neither this process nor the fork keeps them
+                    return_free_heap()  # what the previous shard's op wrappers held: the fork need not share those pages
                     pool.start(i, _shard_params(programs[i] for programs in edge_programs.values()),
                                lambda: manager.Compile(graph_names, wrappers), binaries)
             finally:
@@ -254,7 +248,7 @@ class _WorkerPool:
         need = params * self.bytes_per_param / 1024 + pending
         available = _available_kb()
         if self.budget_kb is not None:
-            available = min(available, self.budget_kb - _rss_kb() - sum(private.values()))
+            available = min(available, self.budget_kb - rss_kb() - sum(private.values()))
         if available >= need:
             return True
         logger.debug("Waiting for a compile to finish: %.0f MiB available, about %.0f MiB needed", available / 1024, need / 1024)
@@ -342,7 +336,7 @@ def _compile_and_exit(compile_fn: Callable[[], object], path: Path) -> None:
     (no atexit hooks, no flushing of buffers inherited from the parent, no logging handlers run)."""
     code = 1
     try:
-        path.with_suffix(".rss").write_text(str(_rss_kb()))
+        path.with_suffix(".rss").write_text(str(rss_kb()))
         import torch
 
         torch.set_num_threads(1)

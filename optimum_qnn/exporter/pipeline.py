@@ -344,7 +344,6 @@ def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig, outpu
         setattr(text, name, ScaledLookup(lookups[-1], hf_embedding.scalar_embed_scale))
     if output is None:
         return
-    output.mkdir(parents=True, exist_ok=True)
     moved = map_tables_to_file(lookups, staging_path(output, ".tables"))
     logger.info("Embedding tables mapped from a file: %.0f MB out of anonymous memory", moved / 2**20)
 
