@@ -4,9 +4,9 @@ SoC table (optimum_qnn.socs.ARCH_LIMITS) says.
 The emulator inside onnxruntime-qnn 2.5.0's libQnnHtp.so (QAIRT 2.49.40) compiles and runs a context binary of every
 arch from v68 to v81: the x86 package ships no per-arch skel files (those are in its aarch64 / win_arm64 wheels).
 
-One tiny random Gemma4 (tests/gemma4_tiny.py), kv mode, context 32, float graph IO, is loaded and calibrated once per
-scheme (8a8w for v68/v69, 16a8w for v73+) and lowered per SoC; each SoC's .pte must give the greedy tokens of the
-converted (PT2E fake-quant) graph that was lowered. The arch limits are measured below by lowering a small graph for a
+The trained demo Gemma4 (examples/tiny_gemma4.py), kv mode, context 32, float graph IO, is exported once per SoC at its
+scheme (8a8w for v68/v69, 16a8w for v73+); each SoC's .pte must give the greedy tokens of the converted (PT2E
+fake-quant) graphs that were lowered, simulated with the HTP's RmsNorm rounding (optimum_qnn.quantization.htp_rounding). The arch limits are measured below by lowering a small graph for a
 v68 / v69 SoC with the feature ExportConfig refuses, and showing QNN's own failure.
 """
 
@@ -21,7 +21,10 @@ from optimum_qnn.config import Soc
 # 16-bit activations need v73+ (optimum_qnn.socs.ARCH_LIMITS), so v68 and v69 run 8a8w.
 ARCH_SOCS = {68: Soc.QCM6490, 69: Soc.SM8450, 73: Soc.SC8380XP, 75: Soc.SM8650, 79: Soc.SM8750, 81: Soc.SM8845}
 SCHEMES = {"8a8w": (68, 69), "16a8w": (73, 75, 79, 81)}
-PROMPT = [2, 17, 99, 5, 201, 64]
+# <bos> + 'The "-" (s' in the demo tokenizer: of 100 six-token openings of corpus paragraphs, the one whose 8 greedy
+# fp32 steps have the widest smallest top-1/top-2 logit margin (0.31; median over the 100: 0.06, one step of 8-bit
+# logits). At 8 bits a margin of a step or two is a coin toss between two correct programs (see below).
+PROMPT = [2, 344, 272, 16, 5, 350, 86]
 NEW_TOKENS = 8
 
 
@@ -30,7 +33,7 @@ def _scheme_of(arch: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def exports(random_model_dir, tmp_path_factory, qnn_sdk):
+def exports(demo_model_dir, tmp_path_factory, qnn_sdk):
     """arch -> (the export of its SoC at its scheme, the simulation's greedy tokens), built on first use: one arch per
     export, so that each arch's case stands alone."""
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig
@@ -55,7 +58,7 @@ def exports(random_model_dir, tmp_path_factory, qnn_sdk):
         )
         pipeline._quantize = keep
         try:
-            result = pipeline.export(random_model_dir, tmp_path_factory.mktemp(f"v{arch}"), config)
+            result = pipeline.export(demo_model_dir, tmp_path_factory.mktemp(f"v{arch}"), config)
         finally:
             pipeline._quantize = original
         built[arch] = result, captured["tokens"]
@@ -74,30 +77,29 @@ def greedy(session, n: int) -> list[int]:
 
 
 def simulated_tokens(contract, graphs) -> list[int]:
-    """Greedy tokens of the converted (PT2E fake-quant) graphs, run through the runner contract as the .pte is."""
+    """Greedy tokens of the converted (PT2E fake-quant) graphs with the HTP's RmsNorm truncation, run through the runner
+    contract as the .pte is."""
+    from optimum_qnn.quantization.htp_rounding import htp_rounding
     from optimum_qnn.session import KVSession
 
-    methods = {name: (lambda inputs, g=g: g(*inputs)) for name, g in graphs.items()}
+    methods = {name: (lambda inputs, g=htp_rounding(g): g(*inputs)) for name, g in graphs.items()}
     with torch.no_grad():
         return greedy(KVSession(contract, methods), NEW_TOKENS)
 
 
-# Measured (2026-12-02, random tiny model, prompt PROMPT): v73 SC8380XP 16a8w emulator == simulation
-# [102, 155, 84, 161, 103, 31, 179, 40] (3 min 51 s with the cores shared); v75 SM8650, v79 SM8750
-# (5 min 6 s for both) and v81 SM8845 (3 min 56 s) the same tokens, equal. v68 QCM6490 and v69 SM8450 at 8a8w both gave
-# [64, 178, 222, 17, 219, 235, 3, 102] on the emulator (the same on both archs) against [102, 155, 84, 212, ...] from the
-# 8a8w simulation (that run simulated after lowering, in one export for both SoCs; this fixture simulates before
-# lowering, one export per arch, not re-run for them yet): the HTP's 8-bit activations part from PT2E's from the first token on this random model (8a8w is
-# also the scheme furthest from its fake-quant graph in tests/test_quantization.py, 14-16.5 dB). Not a faked pass:
-# the two cases are expected failures until a peaked (trained) model or a closer 8-bit simulation makes them agree.
-_EIGHT_BIT_GAP = pytest.mark.xfail(
-    strict=True, reason="8a8w: emulator greedy tokens differ from the PT2E simulation from the first token (measured)"
-)
-
-
+# Why v68/v69 (8a8w) once failed here, measured 2026-12-03 (/tmp scripts, not kept: every activation of the converted
+# graph made a graph output, lowered, run once on the emulator, each op recomputed from the emulator's own inputs):
+# - HTP's RmsNorm truncates its output code (floor 92-100 %, round 50-67 % of values) where PT2E rounds; every other
+#   op rounds. Same on v68, v69, v75, at 8 and 16 bits. The random tiny model's decode logits (SM8450 8a8w, one step):
+#   12.8 dB emulator vs fake-quant, 20.4 dB with the truncation simulated (htp_rounding); 8a8w on the
+#   test_quantization toy: 16.6 -> 26.3 dB for SM8650, 15.5 -> 24.3 for SM8450 and QCM6490 alike (16a8w: 53.8 -> 54.6).
+# - What remains is per-value rounding that 8-bit logits (a step of about 0.065) turn into argmax flips: the random
+#   model (old PROMPT [2, 17, 99, 5, 201, 64]) has top-1/top-2 margins of 0.01-0.36 and gave emulator
+#   [64, 178, 222, 17, 219, 235, 3, 102] vs simulation [102, 155, 84, 212, ...] (logits 3-11 dB: no arch question,
+#   v68 and v69 gave the same tokens). The demo model with PROMPT: SM8450 8a8w emulator and simulation both
+#   [88, 69, 70, 320, 83, 87, 281, 86], logits 23-33 dB, emulator margins 0.20-3.32.
 @pytest.mark.slow  # an export per arch: 4-10 min each when the 2 cores are shared
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=[_EIGHT_BIT_GAP] if _scheme_of(a) == "8a8w" else [])
-                                  for a in ARCH_SOCS], ids=[f"v{a}" for a in ARCH_SOCS])
+@pytest.mark.parametrize("arch", list(ARCH_SOCS), ids=[f"v{a}" for a in ARCH_SOCS])
 def test_each_arch_runs_on_the_emulator_with_the_simulation_s_tokens(arch, exports):
     from optimum_qnn.artifacts.inspection import inspect_pte
     from optimum_qnn.artifacts.manifest import read_manifest
