@@ -27,7 +27,8 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 # optimum_qnn functions that mark a stage, outermost first wins.
 STAGES = {
     "resolve_model_folder": "load", "preflight": "load", "load_text_model": "load", "from_hf": "swap",
-    "_quantize": "quantize", "_evaluator": "evaluate", "lower_to_pte": "lower", "export_time_inspection": "inspect",
+    "_quantize": "quantize", "_evaluator": "evaluate", "lower_to_pte": "lower", "EdgeLowering.prepare": "edge",
+    "EdgeLowering.lower": "lower", "export_time_inspection": "inspect",
     "write_variant": "write", "_compile_and_exit": "shard compile", "StaticCausalLM.export": "export",
     "_swap_embeddings_for_cpu": "swap", "upcast_in_graph": "swap", "write_model_card": "write",
 }

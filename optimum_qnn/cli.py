@@ -37,7 +37,8 @@ _DEFAULTS = ExportConfig()
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Export a Gemma4 text model (Hugging Face Hub id or local folder) to a QNN .pte for Snapdragon HTPs.\n"
-        "The model is loaded and calibrated once; one variant is written per --soc."
+        "The model is loaded, calibrated and converted for QNN once; each --soc adds only its own partitioning, "
+        "compile and write, and gets one variant."
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     req = parser.add_argument_group("required")

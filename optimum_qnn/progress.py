@@ -112,7 +112,7 @@ class LoweringProgress(logging.Handler):
         """The lowering returned: every shard is done."""
         if self.total:
             self.n = self.total
-        self.step = self.activity = ""
+        self.step, self.activity = ("" if self.total else "done"), ""
         self._show()
 
     def line(self) -> str:

@@ -197,15 +197,20 @@ def test_cli_export_log_is_a_line_per_stage_step_and_shard(cli_16a8w_export):
     _, proc = cli_16a8w_export
     lines = proc.stderr.splitlines()
     stages = [line for line in lines if re.fullmatch(r"\[[\w ]+\] done in \d+\.\d s, peak RSS \d+ MB \(anonymous \d+ MB\)", line)]
+    edge = [line for line in lines if line.startswith("Preparing the graphs for QNN: ")]
     lowering = [line for line in lines if line.startswith("Lowering for SM8650: ")]
     memory = [line for line in lines if line.startswith("Memory: ")]
-    assert len(stages) >= 9 and len(memory) == 1, proc.stderr  # load ... write SM8650
-    assert len(lines) == len(stages) + len(lowering) + len(memory), proc.stderr  # nothing else, not a blank line
-    assert all(re.search(r" \[\d\d:\d\d, RSS \d+\.\d GB\]$", line) for line in lowering), lowering
-    # Steps: re-export, QNN's export passes, serialization, and per method (2): edge dialect, edge passes,
-    # partitioning; the shards (2): the first one prepared and each one compiled; the end.
-    assert len(lowering) <= 3 + 3 * 2 + (1 + 2) + 1, lowering
-    assert any("converting prefill_forward to the edge dialect" in line for line in lowering), lowering
+    assert len(stages) >= 10 and len(memory) == 1, proc.stderr  # load ... edge, lower SM8650 ... write SM8650
+    assert len(lines) == len(stages) + len(edge) + len(lowering) + len(memory), proc.stderr  # nothing else, no blank
+    assert all(re.search(r" \[\d\d:\d\d, RSS \d+\.\d GB\]$", line) for line in edge + lowering), edge + lowering
+    # The SoC-independent steps, once: re-export, QNN's export passes, per method (2) edge dialect and edge passes;
+    # the end.
+    assert len(edge) <= 2 + 2 * 2 + 1, edge
+    assert any("converting prefill_forward to the edge dialect" in line for line in edge), edge
+    # Per SoC: per method partitioning; the shards (2): the first one prepared and each one compiled; serialization;
+    # the end.
+    assert len(lowering) <= 2 + (1 + 2) + 1 + 1, lowering
+    assert any("partitioning prefill_forward" in line for line in lowering), lowering
     assert len(lines) <= 30
 
 
@@ -344,7 +349,7 @@ def test_defaults_fit_a_model_48_wide(tmp_path, monkeypatch, qnn_sdk):
         raise Stop
 
     monkeypatch.setattr(export_module, "_quantize", stop_quantize)
-    monkeypatch.setattr(lowering, "lower_to_pte", stop_lowering)
+    monkeypatch.setattr(lowering, "EdgeLowering", stop_lowering)
     shapes = ShapeConfig(32, 4)
     with pytest.raises(Stop):
         export_module.export(folder, tmp_path / "q", ExportConfig(quant=QuantScheme.A16W8, mode=ExportMode.KV, shapes=shapes))

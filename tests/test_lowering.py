@@ -279,6 +279,60 @@ def test_weight_sharing_stores_the_weights_once(hybrid_pte, hybrid_shared_pte, a
     assert all(d.fully_delegated for d in shared.delegation.values())
 
 
+def test_one_edge_conversion_serves_several_socs(qnn_sdk, attention, hybrid_inputs, hybrid_pte, monkeypatch):
+    """`EdgeLowering` converts the graphs to the edge dialect once; each SoC's program then holds what a lowering
+    of its own holds (the same contexts, graphs, IO and encodings as read back by QNN, for its own SoC) and computes
+    the same on the emulator, and lowering for one SoC leaves the edge programs as they were for the next."""
+    from optimum_qnn.artifacts.inspection import inspect_bytes
+    from optimum_qnn.exporter import lowering
+
+    conversions = []
+    to_edge = lowering._to_edge
+    monkeypatch.setattr(lowering, "_to_edge", lambda *a, **k: conversions.append(1) or to_edge(*a, **k))
+    programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
+    shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
+
+    def held() -> dict[str, list[str]]:  # the weights and constants each edge program holds
+        return {name: [*ep.state_dict, *ep.constants] for name in hybrid_inputs
+                for ep in [shared._edge.exported_program(name)]}
+
+    shared.prepare()
+    before = held()
+    assert all(before.values())
+    first = shared.lower(Soc.SM8750, weight_sharing=False)
+    assert held() == before  # the first SoC's lowering removed nothing from the edge programs the next one lowers
+    second = shared.lower(Soc.SM8650, weight_sharing=False, keep=False)
+    assert not shared.prepared and conversions == [1]
+
+    alone = hybrid_pte[0]  # this module's own lowering of the same graphs for SM8650
+    assert inspect_bytes(second.buffer).to_dict() == inspect_bytes(alone.buffer).to_dict()
+    assert second.delegation == alone.delegation and len(second.buffer) == len(alone.buffer)
+    assert {c.soc for c in inspect_bytes(first.buffer).contexts} == {"SM8750"}
+    assert all(d.fully_delegated for d in first.delegation.values())
+
+    path = hybrid_pte[1].with_name("second_soc.pte")
+    path.write_bytes(second.buffer)
+    for method, inputs in hybrid_inputs.items():
+        for out, ref in zip(run_method(path, method, inputs), run_method(hybrid_pte[1], method, inputs), strict=True):
+            assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="consumed"):
+        shared.lower(Soc.SM8650)
+
+
+def test_a_soc_s_copy_of_the_edge_programs_shares_their_weights(qnn_sdk, attention, hybrid_inputs):
+    from optimum_qnn.exporter.lowering import EdgeLowering, _copy_sharing_tensors
+
+    programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
+    shared = EdgeLowering(programs, fp16=True)
+    shared.prepare()
+    copy = _copy_sharing_tensors(shared._edge)
+    for name in hybrid_inputs:
+        original, copied = shared._edge.exported_program(name), copy.exported_program(name)
+        assert copied is not original and copied.graph_module is not original.graph_module
+        assert copied.state_dict is not original.state_dict and copied.constants is not original.constants
+        assert original.state_dict and all(copied.state_dict[k] is t for k, t in original.state_dict.items())
+
+
 @pytest.mark.slow
 def test_x86_emulator_cannot_load_weight_shared_context(hybrid_shared_pte, run_python, qnn_sdk):
     # Pins a limitation of the QAIRT 2.49.40 x86 emulator; when this fails, emulator tests can use sharing too.

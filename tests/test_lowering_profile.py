@@ -29,6 +29,10 @@ def test_samples_go_to_their_process_stage_and_step(tmp_path):
         f"{ROOT};{EXPORT};VariantWriter.write_variant (optimum_qnn/artifacts/writer.py:200);sha256 (hashlib.py:1) 4",
         f"{ROOT};Thread._bootstrap (threading.py:1002);_RssSampler.run (optimum_qnn/exporter/pipeline.py:95)"
         ";Event.wait (threading.py:629) 7",
+        # the SoC-independent part of the lowering, done once for every SoC
+        f"{ROOT};{EXPORT};EdgeLowering.prepare (optimum_qnn/exporter/lowering.py:300)"
+        ";_to_edge (optimum_qnn/exporter/lowering.py:450);wrapper (exir/program/_program.py:116)"
+        ";RemoveRedundancy.call (backends/qualcomm/_passes/remove_redundancy.py:40) 6",
         "malformed line",
     ]))
     counts = lowering_profile.read(profile)
@@ -37,7 +41,8 @@ def test_samples_go_to_their_process_stage_and_step(tmp_path):
         ("worker", "lower", "parallel_compile._compile_and_exit"): 50,  # a forked compile is the worker's
         ("main", "write", "hashlib.sha256"): 4,  # a stage's method (py-spy names it Class.method)
         ("idle", "waiting", "Event.wait"): 7,  # a waiting thread is not CPU time
+        ("main", "edge", "remove_redundancy.RemoveRedundancy.call"): 6,  # EdgeLowering.prepare's pass
     }
     text = lowering_profile.table(counts, rate=10, top=10)
-    assert text.splitlines()[0] == "8 CPU s sampled at 10 Hz (and 1 s of threads waiting, left out)", text
-    assert "| worker | lower | 5 | 59.5% |" in text, text
+    assert text.splitlines()[0] == "9 CPU s sampled at 10 Hz (and 1 s of threads waiting, left out)", text
+    assert "| worker | lower | 5 | 55.6% |" in text, text

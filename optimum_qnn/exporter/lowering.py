@@ -159,109 +159,211 @@ def lower_to_pte(
     memory_budget_gb: float | None = None,
     path: str | Path | None = None,
 ) -> LoweredProgram:
-    """Lower one or more methods to QNN and serialize them into one .pte.
+    """Lower one or more methods to QNN for one SoC and serialize them into one .pte.
+
+    The same as ``EdgeLowering(programs, ...).lower(soc, ..., keep=False)``; lowering the same graphs for several
+    SoCs through one `EdgeLowering` does their SoC-independent part once.
+
+    Args:
+        programs: method name -> `ExportedProgram` or `(module, example_inputs)`; see `EdgeLowering`.
+        soc: the target SoC.
+        fp16, constant_methods, skip_ops, int64_inputs, shard_starts, quantized_io: see `EdgeLowering`.
+        weight_sharing, shared_buffer, workers, memory_budget_gb, path: see `EdgeLowering.lower`.
+
+    Returns:
+        The `LoweredProgram` (bytes + delegation summary).
+    """
+    lowering = EdgeLowering(
+        programs, fp16=fp16, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
+        shard_starts=shard_starts, quantized_io=quantized_io,
+    )
+    return lowering.lower(
+        soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
+        memory_budget_gb=memory_budget_gb, path=path, keep=False,
+    )
+
+
+class EdgeLowering:
+    """Graphs on their way to QNN: the SoC-independent part of a lowering done once, the rest per SoC.
+
+    ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) re-exports each method, runs QNN's
+    export passes, converts to the edge dialect (ExecuTorch's decompositions) and runs QNN's edge passes; only then
+    do the partitioner and the QNN compiler see the SoC. None of the first steps reads it: QNN's pass list is the
+    same for every HTP (its one pass that reads the compile specs serves the LPAI backend), and the partitioner's
+    list of ops kept whole is a fixed table. So `prepare` does them once, and `lower` partitions, compiles and
+    serializes a copy of the edge programs for each SoC, a copy that shares their weight tensors.
 
     Args:
         programs: method name -> `ExportedProgram` or `(module, example_inputs)`; a PT2E-quantized method is the
             `convert_pt2e` graph (as is, or re-exported). Each method is re-exported (non-strict) for this lowering,
-            so the sources are left as they were and can be lowered again for another SoC. Several methods must split into the same
-            number of QNN partitions (their i-th partitions share a context).
-        soc: the target SoC.
+            so the sources are left as they were. Several methods must split into the same number of QNN partitions
+            (their i-th partitions share a context).
         fp16: floating-point graphs compiled at HTP fp16; False for quantized (PT2E) graphs.
         constant_methods: extra methods that take no input and return a constant, e.g. `{"get_max_seq_len": 1024}`
             (an int, float, bool or tensor).
-        weight_sharing: share weights between the methods' graphs. Defaults to True when there are several
-            methods (what a phone wants); pass False for artifacts that run on the x86 emulator.
-        shared_buffer: see `compile_specs`.
         skip_ops: edge op names kept on the CPU even where QNN supports them, e.g. `{"aten.embedding.default"}`.
         int64_inputs: graph inputs that must stay int64 for the CPU ops they feed (e.g. `tokens` for the
             quantized embedding kernels, which take only Long indices). By default QNN's lowering casts every
             int64 input to int32 inside its delegate, and the CPU ops downstream would receive int32.
         shard_starts: decoder layers (index in `layers.N`) that begin a new shard. Each shard is compiled into its
-            own context binary, one after the other, so the compiler holds one shard's weights at a time; the
-            shards hand their activations over through an identity op on the CPU (`llama::fallback`).
+            own context binary, so the compiler holds one shard's weights at a time; the shards hand their
+            activations over through an identity op on the CPU (`llama::fallback`).
         quantized_io: method name -> positions of the inputs that become integer graph IO (with the encoding the
             quantizer gave them); every output of those methods does too. See `optimum_qnn.quantization.io`.
-        workers: at most this many shards compile at once, each in a forked process, while the next shard is
-            prepared (see `optimum_qnn.exporter.parallel_compile`). Defaults to the cores available to the process; 1 compiles
-            in this process, one shard after the other. The programs compute the same either way (only QNN's
-            internal tensor numbering inside the context binaries differs).
-        memory_budget_gb: a second compile worker starts only while this process and its workers stay within it
-            (the export's memory budget); None: only what the machine has available limits them.
-        path: write the program to this file as it is serialized (ExecuTorch's `write_to_file`) instead of
-            returning its bytes: Gemma-4-E2B's program is 3 GB, and joining it in memory costs that much again.
-
-    Returns:
-        The `LoweredProgram` (bytes + delegation summary).
 
     Raises:
-        ValueError: no methods, a method name that clashes with a constant method, a malformed op name, or
-            workers < 1.
-        RuntimeError: a shard's compile failed (in a worker process: its error text, or the signal that killed it).
+        ValueError: no methods, a method name that clashes with a constant method, or a malformed op name.
     """
-    if not programs:
-        raise ValueError("No methods to lower")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers must be >= 1 (1 compiles the shards one after the other); got {workers}")
-    clash = set(programs) & set(constant_methods or {})
-    if clash:
-        raise ValueError(f"Method names used both as graphs and as constant methods: {sorted(clash)}")
-    # QnnPartitioner compares these with `node.target.__name__`: a name in another form silently matches nothing.
-    malformed = sorted(op for op in skip_ops if not _OP_NAME_RE.fullmatch(op))
-    if malformed:
-        raise ValueError(f"Op names must look like 'aten.embedding.default' (namespace.op.overload); got {malformed}")
-    multiple = len(programs) > 1
-    if weight_sharing is None:
-        weight_sharing = multiple
-    ensure_qnn_sdk()
-    from executorch.backends.qualcomm._passes.build_quant_io import BuildQuantIo
-    from executorch.exir import ExecutorchBackendConfig
-    from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
 
-    # The same spec for every method: QnnBackend.preprocess_multimethod compiles the i-th partition of all
-    # methods into one context with the FIRST method's spec, so differing specs would be silently ignored.
-    spec = compile_specs(
-        soc, fp16=fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer,
-        multiple_contexts=bool(shard_starts),
-    )
-    logger.info("Lowering %s to QNN for %s (%s)", ", ".join(programs), soc.value, "fp16" if fp16 else "quantized")
-    freed = return_free_heap()  # what calibration, the fold or the last SoC's lowering freed but the heap kept
-    logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
-    with quiet_native_output() as native_log:
-        report_step("re-exporting the graphs")
-        exported = {name: _export_method(name, source) for name, source in programs.items()}
-        edge = _to_edge_and_lower(
-            exported, spec, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
-            shard_starts=shard_starts, quantized_io=quantized_io or {},
-            workers=default_workers() if workers is None else workers, budget_gb=memory_budget_gb,
-        )
-        del exported
-        if shard_starts:
-            from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
+    def __init__(
+        self,
+        programs: Mapping[str, MethodSource],
+        *,
+        fp16: bool,
+        constant_methods: Mapping[str, Any] | None = None,
+        skip_ops: Collection[str] = (),
+        int64_inputs: Collection[str] = (),
+        shard_starts: Collection[int] = (),
+        quantized_io: Mapping[str, Collection[int]] | None = None,
+    ):
+        if not programs:
+            raise ValueError("No methods to lower")
+        clash = set(programs) & set(constant_methods or {})
+        if clash:
+            raise ValueError(f"Method names used both as graphs and as constant methods: {sorted(clash)}")
+        # QnnPartitioner compares these with `node.target.__name__`: a name in another form silently matches nothing.
+        malformed = sorted(op for op in skip_ops if not _OP_NAME_RE.fullmatch(op))
+        if malformed:
+            raise ValueError(f"Op names must look like 'aten.embedding.default' (namespace.op.overload); got {malformed}")
+        self._programs: dict[str, MethodSource] | None = dict(programs)
+        self.methods = tuple(programs)
+        self.fp16 = fp16
+        self.constant_methods = dict(constant_methods) if constant_methods else None
+        self.skip_ops = {*skip_ops, SHARD_OP} if shard_starts else set(skip_ops)
+        self.int64_inputs = frozenset(int64_inputs)
+        self.shard_starts = tuple(sorted(shard_starts))
+        self.quantized_io = dict(quantized_io or {})
+        self._edge: EdgeProgramManager | None = None
 
-            for method in programs:
-                update_spill_fill_size(edge.exported_program(method))
-        delegation = delegation_summary(edge)
-        config = ExecutorchBackendConfig(
-            # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
-            passes=[BuildQuantIo()],
-            # Graph inputs and outputs are not memory-planned: ExecuTorch's C++ LLM runner (qnn_llama_runner) hands each
-            # method its own IO buffers (`set_outputs`), which a planned output refuses ("Output 0 is memory planned,
-            # or is a constant. Cannot override the existing data pointer."); the Python runtime allocates them.
-            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
+    @property
+    def prepared(self) -> bool:
+        """The SoC-independent part is done (and the sources were let go)."""
+        return self._edge is not None
+
+    def prepare(self) -> None:
+        """Re-export the methods, run QNN's export passes, convert to the edge dialect and run QNN's edge passes.
+
+        Releases this object's references to the source graphs: every later `lower` starts from the edge programs.
+        """
+        if self._edge is not None:
+            return
+        if self._programs is None:
+            raise RuntimeError("This lowering was consumed by lower(..., keep=False); create a new EdgeLowering")
+        ensure_qnn_sdk()
+        freed = return_free_heap()  # what calibration, the fold or the last lowering freed but the heap kept
+        logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
+        with quiet_native_output() as native_log:
+            report_step("re-exporting the graphs")
+            exported = {name: _export_method(name, source) for name, source in self._programs.items()}
+            self._programs = None
+            self._edge = _to_edge(
+                exported, _edge_spec(fp16=self.fp16, multiple=len(exported) > 1),
+                constant_methods=self.constant_methods, skip_ops=self.skip_ops, int64_inputs=self.int64_inputs,
+                shard_starts=self.shard_starts, quantized_io=self.quantized_io,
+            )
+        logger.debug("Edge conversion output:\n%s", native_log.text)
+
+    def lower(
+        self,
+        soc: Soc,
+        *,
+        weight_sharing: bool | None = None,
+        shared_buffer: bool = False,
+        workers: int | None = None,
+        memory_budget_gb: float | None = None,
+        path: str | Path | None = None,
+        keep: bool = True,
+    ) -> LoweredProgram:
+        """Partition, compile and serialize the methods for `soc` (preparing them first if `prepare` was not called).
+
+        Args:
+            soc: the target SoC.
+            weight_sharing: share weights between the methods' graphs. Defaults to True when there are several
+                methods (what a phone wants); pass False for artifacts that run on the x86 emulator.
+            shared_buffer: see `compile_specs`.
+            workers: at most this many shards compile at once, each in a forked process, while the next shard is
+                prepared (see `optimum_qnn.exporter.parallel_compile`). Defaults to the cores available to the
+                process; 1 compiles in this process, one shard after the other. The programs compute the same either
+                way (only QNN's internal tensor numbering inside the context binaries differs).
+            memory_budget_gb: a second compile worker starts only while this process and its workers stay within it
+                (the export's memory budget); None: only what the machine has available limits them.
+            path: write the program to this file as it is serialized (ExecuTorch's `write_to_file`) instead of
+                returning its bytes: Gemma-4-E2B's program is 3 GB, and joining it in memory costs that much again.
+            keep: keep the edge programs for another `lower` (this one works on a copy that shares their weight
+                tensors); False lowers the edge programs themselves and lets them go (the last SoC).
+
+        Returns:
+            The `LoweredProgram` (bytes + delegation summary).
+
+        Raises:
+            ValueError: workers < 1.
+            RuntimeError: a shard's compile failed (in a worker process: its error text, or the signal that killed
+                it); the lowering was already consumed.
+        """
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1 (1 compiles the shards one after the other); got {workers}")
+        multiple = len(self.methods) > 1
+        if weight_sharing is None:
+            weight_sharing = multiple
+        # The same spec for every method: QnnBackend.preprocess_multimethod compiles the i-th partition of all
+        # methods into one context with the FIRST method's spec, so differing specs would be silently ignored.
+        spec = compile_specs(
+            soc, fp16=self.fp16, multiple_graphs=multiple, weight_sharing=weight_sharing, shared_buffer=shared_buffer,
+            multiple_contexts=bool(self.shard_starts),
         )
-        report_step("serializing the program")
-        executorch_program = edge.to_executorch(config)
-        del edge
-        if path is None:
-            program: bytes | Path = bytes(executorch_program.buffer)
+        self.prepare()
+        from executorch.backends.qualcomm._passes.build_quant_io import BuildQuantIo
+        from executorch.exir import ExecutorchBackendConfig
+        from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
+
+        logger.info("Lowering %s to QNN for %s (%s)", ", ".join(self.methods), soc.value, "fp16" if self.fp16 else "quantized")
+        if keep:
+            edge = _copy_sharing_tensors(self._edge)
         else:
-            program = Path(path)
-            with program.open("wb") as f:
-                executorch_program.write_to_file(f)
-        del executorch_program
-    logger.debug("QNN compiler output:\n%s", native_log.text)
-    return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+            edge, self._edge = self._edge, None
+        freed = return_free_heap()  # what the last SoC's lowering freed but the heap kept
+        logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
+        with quiet_native_output() as native_log:
+            edge = _lower_edge(
+                edge, spec, skip_ops=self.skip_ops, workers=default_workers() if workers is None else workers,
+                budget_gb=memory_budget_gb,
+            )
+            if self.shard_starts:
+                from executorch.backends.qualcomm.utils.utils import update_spill_fill_size
+
+                for method in self.methods:
+                    update_spill_fill_size(edge.exported_program(method))
+            delegation = delegation_summary(edge)
+            config = ExecutorchBackendConfig(
+                # Graph IO that was quantized in the graph (tagged by the quantization step) keeps its integer dtype.
+                passes=[BuildQuantIo()],
+                # Graph inputs and outputs are not memory-planned: ExecuTorch's C++ LLM runner (qnn_llama_runner) hands each
+                # method its own IO buffers (`set_outputs`), which a planned output refuses ("Output 0 is memory planned,
+                # or is a constant. Cannot override the existing data pointer."); the Python runtime allocates them.
+                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False),
+            )
+            report_step("serializing the program")
+            executorch_program = edge.to_executorch(config)
+            del edge
+            if path is None:
+                program: bytes | Path = bytes(executorch_program.buffer)
+            else:
+                program = Path(path)
+                with program.open("wb") as f:
+                    executorch_program.write_to_file(f)
+            del executorch_program
+        logger.debug("QNN compiler output:\n%s", native_log.text)
+        return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
 
 
 def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int], quant_io_dtype=None):
@@ -316,7 +418,14 @@ def _export_method(name: str, source: MethodSource) -> torch.export.ExportedProg
     return torch.export.export(module, inputs, strict=False)
 
 
-def _to_edge_and_lower(
+def _edge_spec(*, fp16: bool, multiple: bool) -> list[CompileSpec]:
+    """The compile specs the SoC-independent steps are built with. QNN's pass manager reads only the backend type
+    from them (the HTP for every SoC of `Soc`), and its one edge pass that reads the specs serves the LPAI backend; a
+    SoC is needed to make a spec at all, and the lowering itself is compiled with each SoC's own."""
+    return compile_specs(Soc.SM8650, fp16=fp16, multiple_graphs=multiple, weight_sharing=False)
+
+
+def _to_edge(
     exported: Mapping[str, torch.export.ExportedProgram],
     spec: list[CompileSpec],
     *,
@@ -325,22 +434,19 @@ def _to_edge_and_lower(
     int64_inputs: Collection[str],
     shard_starts: Collection[int],
     quantized_io: Mapping[str, Collection[int]],
-    workers: int,
-    budget_gb: float | None = None,
 ) -> EdgeProgramManager:
-    """ExecuTorch's QNN lowering (`to_edge_transform_and_lower_to_qnn` in 1.5.1) from exported programs: the QNN
-    export passes, then edge conversion with the QNN edge passes and partitioner, every method with the same spec."""
+    """The first half of ExecuTorch's `to_edge_transform_and_lower` as `to_edge_transform_and_lower_to_qnn` (1.5.1)
+    calls it: QNN's export passes, edge conversion keeping the ops QNN's partitioner wants whole, QNN's edge passes."""
     from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
     from executorch.backends.qualcomm.utils.utils import (
         flatbuffer_to_option,
         generate_qnn_executorch_option,
         qnn_edge_config,
     )
-    from executorch.exir import to_edge_transform_and_lower
+    # Private to EXIR (pinned 1.5.1): the two halves of to_edge_transform_and_lower, which has no public split.
+    from executorch.exir.program._program import _gen_edge_manager_for_partitioners, lift_constant_tensor_pass
 
     backend_type = flatbuffer_to_option(generate_qnn_executorch_option(spec)).backend_options.backend_type
-    skip_ops = {*skip_ops, SHARD_OP} if shard_starts else set(skip_ops)
     aten, transform_passes, partitioners, taggers = {}, {}, {}, {}
     report_step("running QNN's export passes")
     for name, program in exported.items():
@@ -358,27 +464,67 @@ def _to_edge_and_lower(
             passes_job=passes_job,
             dep_table=dep_table,
             compiler_specs=spec,
-            skip_node_op_set=skip_ops,
+            skip_node_op_set=set(skip_ops),
             # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
             # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
             convert_linear_to_conv2d=True,
         )
-        partitioners[name] = [_reporting_partitioner()(spec, skip_node_op_set=skip_ops, method=name)]
-    with (
-        QnnManagerContext({name: spec for name in exported}),
-        _preprocess_copies_share_weights(),
-        parallel_shard_compiles(workers, budget_gb),
-    ):
-        edge = to_edge_transform_and_lower(
-            aten,
-            transform_passes=transform_passes,
-            partitioner=partitioners,
-            constant_methods=dict(constant_methods) if constant_methods else None,
-            compile_config=qnn_edge_config(),
-        )
+        # Asked only which ops to keep whole through the decompositions (a fixed table), never to partition.
+        partitioners[name] = [_reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name)]
+    edge = _gen_edge_manager_for_partitioners(
+        partitioners, aten, qnn_edge_config(), dict(constant_methods) if constant_methods else None
+    )
+    edge = edge.transform(transform_passes)
+    for name in edge.methods:
+        lift_constant_tensor_pass(edge.exported_program(name))
     for name, tagger in taggers.items():
         tagger.check(name)
     return edge
+
+
+def _lower_edge(
+    edge: EdgeProgramManager, spec: list[CompileSpec], *, skip_ops: Collection[str], workers: int,
+    budget_gb: float | None,
+) -> EdgeProgramManager:
+    """The second half of `to_edge_transform_and_lower` for one SoC: QNN's partitioner and compiler (`to_backend`),
+    then ExecuTorch's check that every op kept whole was delegated."""
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+    from executorch.exir.program._program import (
+        _can_skip_using_EDGE_DO_NOT_DECOMP,
+        _remove_invalid_ops_for_not_decompose,
+        _sanity_check_graph_for_non_decomp_ops,
+    )
+
+    partitioners = {name: _reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name) for name in edge.methods}
+    with (
+        QnnManagerContext({name: spec for name in edge.methods}),
+        _preprocess_copies_share_weights(),
+        parallel_shard_compiles(workers, budget_gb),
+    ):
+        edge = edge.to_backend(partitioners)
+    for name, partitioner in partitioners.items():
+        program = edge.exported_program(name)
+        keep_whole, check_op_support = partitioner.ops_to_not_decompose(program)
+        if not _can_skip_using_EDGE_DO_NOT_DECOMP(partitioner, program):
+            keep_whole = _remove_invalid_ops_for_not_decompose(keep_whole)
+        _sanity_check_graph_for_non_decomp_ops(
+            name, program, set(keep_whole), check_op_support, partitioner_name=type(partitioner).__name__,
+            generate_error=True,
+        )
+    return edge
+
+
+def _copy_sharing_tensors(edge: EdgeProgramManager) -> EdgeProgramManager:
+    """A copy of the edge programs that a lowering may rewrite (it removes the constants it delegates, replaces
+    graphs and signatures) without touching the original, and that shares the original's weight tensors: lowering
+    never writes into a tensor."""
+    memo: dict[int, Any] = {}
+    for name in edge.methods:
+        program = edge.exported_program(name)
+        for tensor in [*program.state_dict.values(), *program.constants.values()]:
+            if isinstance(tensor, torch.Tensor):
+                memo[id(tensor)] = tensor
+    return copy.deepcopy(edge, memo)
 
 
 def _reporting_pass(step: str):

@@ -1,6 +1,8 @@
-"""The export pipeline: load -> swap -> torch.export -> quantize (calibrated) -> lower per SoC -> write.
+"""The export pipeline: load -> swap -> torch.export -> quantize (calibrated) -> edge -> lower per SoC -> write.
 
-The model is loaded, swapped, exported and calibrated once; only the lowering runs per SoC.
+The model is loaded, swapped, exported and calibrated once, and its graphs are converted for QNN once (the `edge`
+stage: re-export, QNN's passes, ExecuTorch's edge conversion); only partitioning, compiling and serializing run per
+SoC.
 """
 
 from __future__ import annotations
@@ -250,8 +252,10 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         del programs
         if evaluate is None:
             _release_float_weights(static.module, graphs.values())
+        del graphs  # the lowering holds them (`sources`) until its SoC-independent part is done
     else:
-        sources = dict(programs)
+        sources = programs
+        del programs
     writer = VariantWriter(
         output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
         load_report=load_report, tokenizer=tokenizer, text_config=static.text_config,
@@ -259,26 +263,36 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     from optimum_qnn.artifacts.hub import write_model_card
     from optimum_qnn.artifacts.inspection import export_time_inspection
     from optimum_qnn.exporter.delegation import format_delegation
-    from optimum_qnn.exporter.lowering import lower_to_pte
+    from optimum_qnn.exporter.lowering import EdgeLowering
 
     evaluator = None
     if evaluate is not None:
         evaluator = _evaluator(hf_model, static, tokenizer, evaluate, evaluate_tokens, result)
-    for soc in config.socs:
-        lower = functools.partial(
-            lower_to_pte, sources, soc, fp16=not config.quant.is_quantized,
-            constant_methods=runner_metadata(static, config, contract), skip_ops=_CPU_OPS, int64_inputs={"tokens"},
-            shard_starts=shard_starts, quantized_io=quantized_io, memory_budget_gb=memory.budget_gib,
-        )
+    # The SoC-independent part of the lowering (re-export, QNN's passes, edge conversion) runs once for every SoC;
+    # each SoC then partitions, compiles and serializes its own copy, the last SoC's lowering (or its unshared
+    # inspection build) consuming the edge programs.
+    lowering = EdgeLowering(
+        sources, fp16=not config.quant.is_quantized, constant_methods=runner_metadata(static, config, contract),
+        skip_ops=_CPU_OPS, int64_inputs={"tokens"}, shard_starts=shard_starts, quantized_io=quantized_io,
+    )
+    del sources
+    with _stage(result, "edge"), lowering_progress("Preparing the graphs for QNN", _rss_mb):
+        lowering.prepare()
+    for i, soc in enumerate(config.socs):
+        last = i == len(config.socs) - 1
+        lower = functools.partial(lowering.lower, soc, memory_budget_gb=memory.budget_gib)
         # The program is streamed to a file next to the variants (the same file system: the writer moves it into
         # place), so its bytes are never joined in memory; the file goes with a failure.
         program_file = staging_path(output, ".pte")
         try:
             with _stage(result, f"lower {soc.value}"), lowering_progress(f"Lowering for {soc.value}", _rss_mb):
-                lowered = lower(weight_sharing=config.weight_sharing and len(methods) > 1, path=program_file)
+                lowered = lower(
+                    weight_sharing=config.weight_sharing and len(methods) > 1, path=program_file,
+                    keep=not last or check_weight_sharing,
+                )
                 result.delegation[soc.value] = format_delegation(lowered.delegation)
             with _stage(result, f"inspect {soc.value}"):
-                unshared = (lambda: lower(weight_sharing=False).buffer) if check_weight_sharing else None
+                unshared = (lambda: lower(weight_sharing=False, keep=not last).buffer) if check_weight_sharing else None
                 inspection = export_time_inspection(lowered.program, unshared)
             with _stage(result, f"write {soc.value}"):
                 path = writer.write_variant(
