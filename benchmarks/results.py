@@ -334,7 +334,10 @@ def multi_soc_section(rows: dict) -> str:
                          "benchmarks/multi_soc.py: `optimum-cli export qnn --soc SM8550 SM8650 SM8750 SM8850` (default flags "
                          "otherwise); load, calibration and quantization run once, then each SoC is lowered, inspected and "
                          "written. An SoC's marginal cost is its own stages over the first SoC's whole export (the shared "
-                         "stages plus its own).\n", run_text)
+                         "stages plus its own). From 866bf35 the lowering's SoC-independent half (re-export, QNN's passes, "
+                         "edge conversion: the `edge` stage) is one of the shared stages, and an SoC's own lowering is "
+                         "its partitioning, HTP compile and serialization; the rows labelled `before 866bf35` ran the "
+                         "whole lowering per SoC, measured in the same sitting as the rows without a label.\n", run_text)
 
 
 def probe_section(rows: dict) -> str:
@@ -359,7 +362,7 @@ def lookup(key: str) -> float:
     """The value a README figure quotes, by its row key: `FILE:PATH[|OP]`.
 
     FILE is a benchmarks/*.json name without `.json`; PATH walks it by `/`, and a list of rows is entered by the row
-    whose `scheme` (or `depth`, or `turn`) is the next part. OP turns the value into what the prose shows: `median` (of a list),
+    whose `scheme` (or `depth`, `turn`, `soc`) is the next part. OP turns the value into what the prose shows: `median` (of a list),
     `min` (seconds to minutes), `%` (a fraction to percent), `/KEY` (the ratio to another row's value), `-KEY` (the
     difference), `rel%KEY` (the change against another row's value, in percent).
 
@@ -385,7 +388,7 @@ def lookup(key: str) -> float:
         else:
             # a row of a list: a table row by its first cell (a stage's name), a benchmark row by scheme, depth or turn
             found = [r for r in value
-                     if (r[0] if isinstance(r, list) else str(r.get("scheme", r.get("depth", r.get("turn"))))) == part]
+                     if (r[0] if isinstance(r, list) else str(r.get("scheme", r.get("depth", r.get("turn", r.get("soc")))))) == part]
             if not found:
                 raise KeyError(f"{key}: no row {part!r}")
             value = found[0]
