@@ -287,8 +287,8 @@ def test_one_edge_conversion_serves_several_socs(qnn_sdk, attention, hybrid_inpu
     from optimum_qnn.exporter import lowering
 
     conversions = []
-    to_edge = lowering._to_edge
-    monkeypatch.setattr(lowering, "_to_edge", lambda *a, **k: conversions.append(1) or to_edge(*a, **k))
+    to_edge = lowering.to_edge
+    monkeypatch.setattr(lowering, "to_edge", lambda *a, **k: conversions.append(1) or to_edge(*a, **k))
     programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
     shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
 
@@ -320,12 +320,13 @@ def test_one_edge_conversion_serves_several_socs(qnn_sdk, attention, hybrid_inpu
 
 
 def test_a_soc_s_copy_of_the_edge_programs_shares_their_weights(qnn_sdk, attention, hybrid_inputs):
-    from optimum_qnn.exporter.lowering import EdgeLowering, _copy_sharing_tensors
+    from optimum_qnn.exporter.edge import copy_sharing_tensors
+    from optimum_qnn.exporter.lowering import EdgeLowering
 
     programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
     shared = EdgeLowering(programs, fp16=True)
     shared.prepare()
-    copy = _copy_sharing_tensors(shared._edge)
+    copy = copy_sharing_tensors(shared._edge)
     for name in hybrid_inputs:
         original, copied = shared._edge.exported_program(name), copy.exported_program(name)
         assert copied is not original and copied.graph_module is not original.graph_module

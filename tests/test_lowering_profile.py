@@ -31,7 +31,7 @@ def test_samples_go_to_their_process_stage_and_step(tmp_path):
         ";Event.wait (threading.py:629) 7",
         # the SoC-independent part of the lowering, done once for every SoC
         f"{ROOT};{EXPORT};EdgeLowering.prepare (optimum_qnn/exporter/lowering.py:300)"
-        ";_to_edge (optimum_qnn/exporter/lowering.py:450);wrapper (exir/program/_program.py:116)"
+        ";to_edge (optimum_qnn/exporter/edge.py:100);wrapper (exir/program/_program.py:116)"
         ";RemoveRedundancy.call (backends/qualcomm/_passes/remove_redundancy.py:40) 6",
         "malformed line",
     ]))

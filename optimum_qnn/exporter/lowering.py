@@ -19,24 +19,27 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import logging
 import re
 import shutil
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, Union
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from optimum_qnn.config import Soc
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
+from optimum_qnn.exporter.edge import (
+    SHARD_OP,
+    MethodSource,
+    copy_sharing_tensors,
+    export_method,
+    lower_edge,
+    to_edge,
+)
 from optimum_qnn.exporter.memory import return_free_heap
 from optimum_qnn.native_output import quiet_native_output
-from optimum_qnn.exporter.parallel_compile import default_workers, parallel_shard_compiles
+from optimum_qnn.exporter.parallel_compile import default_workers
 from optimum_qnn.progress import report_step
 from optimum_qnn.sdk import ensure_qnn_sdk
 
@@ -47,13 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-# A method is an exported program or a module with its positional example inputs.
-MethodSource: TypeAlias = Union[torch.export.ExportedProgram, tuple[torch.nn.Module, tuple[Any, ...]]]
-
 _OP_NAME_RE = re.compile(r"\w+\.\w+\.\w+")
-# The static model's decoder layers are `layers.N` (optimum_qnn.models.gemma4.modules).
-_LAYER_PATTERN = r"layers\.(\d+)"
-SHARD_OP = "llama.fallback.default"
 
 
 def compile_specs(
@@ -264,9 +261,9 @@ class EdgeLowering:
         logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
         with quiet_native_output() as native_log:
             report_step("re-exporting the graphs")
-            exported = {name: _export_method(name, source) for name, source in self._programs.items()}
+            exported = {name: export_method(name, source) for name, source in self._programs.items()}
             self._programs = None
-            self._edge = _to_edge(
+            self._edge = to_edge(
                 exported, _edge_spec(fp16=self.fp16, multiple=len(exported) > 1),
                 constant_methods=self.constant_methods, skip_ops=self.skip_ops, int64_inputs=self.int64_inputs,
                 shard_starts=self.shard_starts, quantized_io=self.quantized_io,
@@ -328,13 +325,13 @@ class EdgeLowering:
 
         logger.info("Lowering %s to QNN for %s (%s)", ", ".join(self.methods), soc.value, "fp16" if self.fp16 else "quantized")
         if keep:
-            edge = _copy_sharing_tensors(self._edge)
+            edge = copy_sharing_tensors(self._edge)
         else:
             edge, self._edge = self._edge, None
         freed = return_free_heap()  # what the last SoC's lowering freed but the heap kept
         logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
         with quiet_native_output() as native_log:
-            edge = _lower_edge(
+            edge = lower_edge(
                 edge, spec, skip_ops=self.skip_ops, workers=default_workers() if workers is None else workers,
                 budget_gb=memory_budget_gb,
             )
@@ -366,260 +363,8 @@ class EdgeLowering:
         return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
 
 
-def _passes_job(int64_inputs: Collection[str], shard_starts: Collection[int], quant_io_dtype=None):
-    """ExecuTorch's default QNN pass list and its ordering constraints, with `I64toI32` told to leave
-    ``int64_inputs`` alone and, for shards, ExecuTorch's `SplitGraph` inserting `llama::fallback` before each layer
-    of ``shard_starts`` (after Q/DQ folding, so the op carries the quantization of the tensor it passes on).
-    ``quant_io_dtype(node)`` turns on `TagQuantIO`: the IO nodes it names a dtype for stay integer."""
-    if not int64_inputs and not shard_starts and quant_io_dtype is None:
-        return None, None
-    from executorch.backends.qualcomm._passes import FoldQDQ, I64toI32, TagQuantIO
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.utils.constants import (
-        QCOM_PASS_ACTIVATE_KEY,
-        QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY,
-    )
-
-    manager_cls = get_qnn_pass_manager_cls()
-    job = manager_cls.get_capture_program_passes()  # the HTP pass list
-    job[I64toI32][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["skip_node"] = frozenset(int64_inputs)
-    if quant_io_dtype is not None:
-        job[TagQuantIO][QCOM_PASS_ACTIVATE_KEY] = True
-        job[TagQuantIO][QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY]["get_quant_io_dtype_fn"] = quant_io_dtype
-    deps = None
-    if shard_starts:
-        from executorch.extension.llm.custom_ops.model_sharding import SplitGraph
-
-        job[SplitGraph] = {
-            QCOM_PASS_ACTIVATE_KEY: True,
-            QCOM_PASS_ARGS_KWARGS_DEFAULTS_KEY: {"shard_layers": sorted(shard_starts), "pattern": _LAYER_PATTERN},
-        }
-        deps = manager_cls.get_passes_dependency_for_capture_program()
-        deps[SplitGraph] = [FoldQDQ]
-        deps[TagQuantIO] = [*deps.get(TagQuantIO, []), SplitGraph]
-    return job, deps
-
-
-def _export_method(name: str, source: MethodSource) -> torch.export.ExportedProgram:
-    """A fresh ExportedProgram of one method (the QNN passes rewrite it in place, so each lowering gets its own).
-
-    Non-strict: the graphs are already ATen graphs (ours, or PT2E's converted ones), so Dynamo has nothing to add;
-    ExecuTorch's `to_edge_transform_and_lower_to_qnn` re-exports strictly, which was 16% of a lowering's wall time.
-    """
-    if isinstance(source, torch.export.ExportedProgram):
-        args, kwargs = source.example_inputs or ((), {})
-        if kwargs:
-            raise ValueError(f"Method {name!r}: exported with keyword inputs; QNN methods take positional inputs only")
-        module, inputs = source.module(), tuple(args)
-    elif isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], torch.nn.Module):
-        module, inputs = source[0], tuple(source[1])
-    else:
-        raise TypeError(f"Method {name!r}: expected an ExportedProgram or (module, example_inputs); got {type(source).__name__}")
-    return torch.export.export(module, inputs, strict=False)
-
-
 def _edge_spec(*, fp16: bool, multiple: bool) -> list[CompileSpec]:
     """The compile specs the SoC-independent steps are built with. QNN's pass manager reads only the backend type
     from them (the HTP for every SoC of `Soc`), and its one edge pass that reads the specs serves the LPAI backend; a
     SoC is needed to make a spec at all, and the lowering itself is compiled with each SoC's own."""
     return compile_specs(Soc.SM8650, fp16=fp16, multiple_graphs=multiple, weight_sharing=False)
-
-
-def _to_edge(
-    exported: Mapping[str, torch.export.ExportedProgram],
-    spec: list[CompileSpec],
-    *,
-    constant_methods: Mapping[str, Any] | None,
-    skip_ops: Collection[str],
-    int64_inputs: Collection[str],
-    shard_starts: Collection[int],
-    quantized_io: Mapping[str, Collection[int]],
-) -> EdgeProgramManager:
-    """The first half of ExecuTorch's `to_edge_transform_and_lower` as `to_edge_transform_and_lower_to_qnn` (1.5.1)
-    calls it: QNN's export passes, edge conversion keeping the ops QNN's partitioner wants whole, QNN's edge passes."""
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
-    from executorch.backends.qualcomm.utils.utils import (
-        flatbuffer_to_option,
-        generate_qnn_executorch_option,
-        qnn_edge_config,
-    )
-    # Private to EXIR (pinned 1.5.1): the two halves of to_edge_transform_and_lower, which has no public split.
-    from executorch.exir.program._program import _gen_edge_manager_for_partitioners, lift_constant_tensor_pass
-
-    backend_type = flatbuffer_to_option(generate_qnn_executorch_option(spec)).backend_options.backend_type
-    aten, transform_passes, partitioners, taggers = {}, {}, {}, {}
-    report_step("running QNN's export passes")
-    for name, program in exported.items():
-        tagger = None
-        if name in quantized_io:
-            user_inputs = program.graph_signature.user_inputs
-            tagger = taggers[name] = _QuantIoTagger({user_inputs[i] for i in quantized_io[name]})
-        passes_job, dep_table = _passes_job(int64_inputs, shard_starts, tagger)
-        manager = get_qnn_pass_manager_cls(backend_type)()
-        # Before edge conversion: these passes add constants that lift_constant_tensor_pass must lift.
-        aten[name] = manager.transform_for_export_pipeline(program)
-        transform_passes[name] = [_reporting_pass(f"running QNN's edge passes on {name}")]
-        transform_passes[name] += manager.get_to_edge_transform_passes(
-            program,
-            passes_job=passes_job,
-            dep_table=dep_table,
-            compiler_specs=spec,
-            skip_node_op_set=set(skip_ops),
-            # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
-            # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
-            convert_linear_to_conv2d=True,
-        )
-        # Asked only which ops to keep whole through the decompositions (a fixed table), never to partition.
-        partitioners[name] = [_reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name)]
-    edge = _gen_edge_manager_for_partitioners(
-        partitioners, aten, qnn_edge_config(), dict(constant_methods) if constant_methods else None
-    )
-    edge = edge.transform(transform_passes)
-    for name in edge.methods:
-        lift_constant_tensor_pass(edge.exported_program(name))
-    for name, tagger in taggers.items():
-        tagger.check(name)
-    return edge
-
-
-def _lower_edge(
-    edge: EdgeProgramManager, spec: list[CompileSpec], *, skip_ops: Collection[str], workers: int,
-    budget_gb: float | None,
-) -> EdgeProgramManager:
-    """The second half of `to_edge_transform_and_lower` for one SoC: QNN's partitioner and compiler (`to_backend`),
-    then ExecuTorch's check that every op kept whole was delegated."""
-    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
-    from executorch.exir.program._program import (
-        _can_skip_using_EDGE_DO_NOT_DECOMP,
-        _remove_invalid_ops_for_not_decompose,
-        _sanity_check_graph_for_non_decomp_ops,
-    )
-
-    partitioners = {name: _reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name) for name in edge.methods}
-    with (
-        QnnManagerContext({name: spec for name in edge.methods}),
-        _preprocess_copies_share_weights(),
-        parallel_shard_compiles(workers, budget_gb),
-    ):
-        edge = edge.to_backend(partitioners)
-    for name, partitioner in partitioners.items():
-        program = edge.exported_program(name)
-        keep_whole, check_op_support = partitioner.ops_to_not_decompose(program)
-        if not _can_skip_using_EDGE_DO_NOT_DECOMP(partitioner, program):
-            keep_whole = _remove_invalid_ops_for_not_decompose(keep_whole)
-        _sanity_check_graph_for_non_decomp_ops(
-            name, program, set(keep_whole), check_op_support, partitioner_name=type(partitioner).__name__,
-            generate_error=True,
-        )
-    return edge
-
-
-def _copy_sharing_tensors(edge: EdgeProgramManager) -> EdgeProgramManager:
-    """A copy of the edge programs that a lowering may rewrite (it removes the constants it delegates, replaces
-    graphs and signatures) without touching the original, and that shares the original's weight tensors: lowering
-    never writes into a tensor."""
-    memo: dict[int, Any] = {}
-    for name in edge.methods:
-        program = edge.exported_program(name)
-        for tensor in [*program.state_dict.values(), *program.constants.values()]:
-            if isinstance(tensor, torch.Tensor):
-                memo[id(tensor)] = tensor
-    return copy.deepcopy(edge, memo)
-
-
-def _reporting_pass(step: str):
-    """A first edge pass that only reports the step to the export's progress (the edge passes of a method take
-    minutes at Gemma-4-E2B's size)."""
-    from torch.fx.passes.infra.pass_base import PassResult
-
-    def report(graph_module: torch.fx.GraphModule) -> PassResult:
-        report_step(step)
-        return PassResult(graph_module, False)
-
-    return report
-
-
-@functools.cache
-def _reporting_partitioner() -> type:
-    """ExecuTorch's `QnnPartitioner`, reporting to the export's progress when a method's edge conversion starts (the
-    hook EXIR calls first, once per method: ExecuTorch's decompositions then take most of a lowering's Python time)
-    and when its partitioning does."""
-    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
-
-    class ReportingQnnPartitioner(QnnPartitioner):
-        def __init__(self, *args, method: str, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.method = method
-
-        def transform_for_pre_decomposition(self, exported_program):
-            report_step(f"converting {self.method} to the edge dialect")
-            return super().transform_for_pre_decomposition(exported_program)
-
-        def partition(self, edge_program):
-            report_step(f"partitioning {self.method}")
-            return super().partition(edge_program)
-
-    return ReportingQnnPartitioner
-
-
-class _QuantIoTagger:
-    """`TagQuantIO`'s ``get_quant_io_dtype_fn``: the named input placeholders and every graph output keep the
-    integer dtype of the encoding Q/DQ folding left on them (so no Q/DQ is inserted at the delegate's boundary)."""
-
-    def __init__(self, input_names: Collection[str]):
-        self.input_names = frozenset(input_names)
-        self.inputs: set[str] = set()
-        self.outputs: dict[str, int] = {}  # tagged output node -> number of graph outputs
-
-    def __call__(self, node: torch.fx.Node):
-        from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS, QCOM_QUANT_MAX, QCOM_QUANT_MIN
-
-        from optimum_qnn.quantization.io import io_dtype
-
-        attrs = node.meta.get(QCOM_QUANT_ATTRS)
-        if attrs is None:
-            return None
-        if node.op == "placeholder" and node.name in self.input_names:
-            self.inputs.add(node.name)
-        elif outputs := [user for user in node.users if user.op == "output"]:
-            self.outputs[node.name] = len(outputs[0].args[0])
-        else:
-            return None
-        return io_dtype(attrs[QCOM_QUANT_MIN], attrs[QCOM_QUANT_MAX])
-
-    def check(self, method: str) -> None:
-        """Every requested input and every graph output was tagged (an untagged one would silently stay float)."""
-        missing = sorted(self.input_names - self.inputs)
-        n_outputs = next(iter(self.outputs.values()), 0)
-        if missing or len(self.outputs) != n_outputs or not n_outputs:
-            raise RuntimeError(
-                f"{method}: integer IO was not applied to inputs {missing} / {n_outputs - len(self.outputs)} outputs "
-                "(no quantization encoding on them after Q/DQ folding); export with --float-io"
-            )
-
-
-@contextlib.contextmanager
-def _preprocess_copies_share_weights() -> Iterator[None]:
-    """Let QnnBackend's preprocessing copies of the partitions share their weight tensors with the originals.
-
-    Before compiling, ExecuTorch deep-copies every partition of every method (`BackendDetails.
-    copy_exported_program_for_preprocess`, the hook a backend may override), all at once: a second copy of every HTP
-    weight, and a third where prefill and decode shared theirs (measured +2.4 GB at E2B widths, 7 layers). QNN's
-    preprocessing passes replace entries of the copy's `state_dict`/`constants` (`builders.utils.set_parameter`) and
-    never write into a tensor, so the copy needs its own graph and dicts but not its own tensor data.
-    """
-    from executorch.backends.qualcomm.qnn_preprocess import QnnBackend
-
-    def copy_sharing_weights(cls, program, compile_specs):
-        tensors = [*program.state_dict.values(), *program.constants.values()]
-        return copy.deepcopy(program, {id(t): t for t in tensors if isinstance(t, torch.Tensor)})
-
-    saved = QnnBackend.__dict__.get("copy_exported_program_for_preprocess")
-    QnnBackend.copy_exported_program_for_preprocess = classmethod(copy_sharing_weights)
-    try:
-        yield
-    finally:
-        if saved is None:
-            del QnnBackend.copy_exported_program_for_preprocess
-        else:
-            QnnBackend.copy_exported_program_for_preprocess = saved
