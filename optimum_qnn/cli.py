@@ -37,8 +37,9 @@ _DEFAULTS = ExportConfig()
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Export a Gemma4 text model (Hugging Face Hub id or local folder) to a QNN .pte for Snapdragon HTPs.\n"
-        "The model is loaded, calibrated and converted for QNN once; each --soc adds only its own partitioning, "
-        "compile and write, and gets one variant."
+        "The model is loaded, calibrated and converted for QNN once per --quant scheme; each --soc adds only its own "
+        "partitioning, compile and write, and gets one variant. --ray runs each (scheme, SoC) lowering on a Ray "
+        "cluster."
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     req = parser.add_argument_group("required")
@@ -52,9 +53,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         + "; what each HTP arch supports: the README's SoC table (default: %(default)s)",
     )
     opt.add_argument(
-        "--quant", default=_DEFAULTS.quant.value, metavar="SCHEME",
+        "--quant", nargs="+", default=[_DEFAULTS.quant.value], metavar="SCHEME",
         help=f"quantization of the HTP graph: {', '.join(q.value for q in QuantScheme)}, or a recipe: "
-             f"{', '.join(RECIPES)} (16a4w_e2b: 4-bit with an 8-bit sensitivity plan; default: %(default)s)",
+             f"{', '.join(RECIPES)} (16a4w_e2b: 4-bit with an 8-bit sensitivity plan; default: %(default)s); "
+             "several: each is calibrated once and gets a variant per --soc",
     )
     opt.add_argument(
         "--size-budget", default=None, metavar="SHARE%|GB",
@@ -115,6 +117,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     src_grp = parser.add_argument_group("source model")
     src_grp.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     src_grp.add_argument("--allow-pickle", action="store_true", help="accept a checkpoint with only pickle .bin weights")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="lower each (scheme, SoC) on a Ray cluster (pip install 'optimum-qnn[ray]'): this machine calibrates "
+             "and quantizes each scheme once, every cell is a task that reserves its estimated memory; ADDRESS: the "
+             "head node (default: $OPTIMUM_QNN_RAY_ADDRESS, else what ray.init() finds)",
+    )
     hub_grp = parser.add_argument_group("publishing")
     hub_grp.add_argument("--push-to-hub", metavar="REPO_ID",
                          help="after the export, upload the artifact folder to this Hub model repo (one commit per variant)")
@@ -122,9 +131,18 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every stage")
 
 
-def config_from_args(args: argparse.Namespace) -> ExportConfig:
-    """Map parsed arguments onto the export config (bad values raise InvalidInputError naming the allowed ones)."""
-    fields = recipe_fields(args.quant) if args.quant in RECIPES else {"quant": QuantScheme.parse(args.quant)}
+def configs_from_args(args: argparse.Namespace) -> list[ExportConfig]:
+    """One export config per --quant scheme (duplicates dropped)."""
+    schemes = [args.quant] if isinstance(args.quant, str) else list(dict.fromkeys(args.quant))
+    return [config_from_args(args, scheme) for scheme in schemes]
+
+
+def config_from_args(args: argparse.Namespace, scheme: str | None = None) -> ExportConfig:
+    """Map parsed arguments onto the export config of one scheme (the first --quant by default); bad values raise
+    InvalidInputError naming the allowed ones."""
+    if scheme is None:
+        scheme = args.quant if isinstance(args.quant, str) else args.quant[0]
+    fields = recipe_fields(scheme) if scheme in RECIPES else {"quant": QuantScheme.parse(scheme)}
     if args.size_budget is not None:
         fields["size_budget"] = SizeBudget.parse(args.size_budget)
     if args.weight_ranges is not None:
@@ -155,26 +173,45 @@ def _parse_override(text: str) -> tuple[str, QuantScheme]:
 def run_export(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     try:
-        config = config_from_args(args)
+        configs = configs_from_args(args)
         if args.push_to_hub is not None:
             _check_repo_id(args.push_to_hub)
         from optimum_qnn.quantization.calibration import CalibrationSource
 
         calibration = CalibrationSource(file=args.calib_file, limit=args.calib_limit)
         with third_party_quiet(args.verbose):
-            from optimum_qnn.exporter.pipeline import export
+            from optimum_qnn.exporter.pipeline import export_matrix
 
-            result = export(
-                args.model, args.output, config, revision=args.revision, calibration=calibration,
+            results = export_matrix(
+                args.model, args.output, configs, revision=args.revision, calibration=calibration,
                 allow_pickle=args.allow_pickle, evaluate=args.evaluate, evaluate_tokens=args.evaluate_tokens,
-                check_weight_sharing=args.check_weight_sharing,
+                check_weight_sharing=args.check_weight_sharing, ray=args.ray,
             )
     except OptimumQnnError as e:
+        for result in getattr(e, "results", ()):  # a matrix whose failed cells did not stop the others
+            for path in result.variants:
+                print(f"wrote {path}")
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    for result in results:
+        _print_result(result)
+    if args.push_to_hub:
+        from optimum_qnn.artifacts.hub import push_to_hub
+
+        try:
+            plan = push_to_hub(args.output, args.push_to_hub, private=args.private)
+        except OptimumQnnError as e:
+            print(f"error: the export is in {args.output}, but pushing it failed: {e}", file=sys.stderr)
+            return 3
+        for commit, url in zip(plan.commits, plan.commit_urls):
+            print(f"pushed {commit.variant or 'root files + README.md'}: {url}")
+    return 0
+
+
+def _print_result(result) -> None:
     print("\nSwapped modules:\n" + result.swap_summary)
     if result.quant_rows:
         from optimum_qnn.quantization.summary import format_quant_summary
@@ -187,17 +224,6 @@ def run_export(args: argparse.Namespace) -> int:
     print("\nStages:\n" + result.stage_table())
     for path in result.variants:
         print(f"wrote {path}")
-    if args.push_to_hub:
-        from optimum_qnn.artifacts.hub import push_to_hub
-
-        try:
-            plan = push_to_hub(args.output, args.push_to_hub, private=args.private)
-        except OptimumQnnError as e:
-            print(f"error: the export is in {args.output}, but pushing it failed: {e}", file=sys.stderr)
-            return 3
-        for commit, url in zip(plan.commits, plan.commit_urls):
-            print(f"pushed {commit.variant or 'root files + README.md'}: {url}")
-    return 0
 
 
 def _check_repo_id(repo_id: str) -> None:

@@ -66,6 +66,39 @@ def progress_lines_to(handler: logging.Handler) -> Iterator[None]:
             source.propagate = propagate
 
 
+@contextlib.contextmanager
+def relayed_progress_loggers(pipe) -> Iterator[None]:
+    """In a forked child (`optimum_qnn.exporter.forked`): the progress records go down ``pipe`` to the parent, whose
+    display shows them, instead of to the display the child inherited (whose redrawing thread did not survive the
+    fork)."""
+    import pickle
+
+    class _PipeHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                pipe.write(pickle.dumps((record.name, record.levelno, record.getMessage())))
+            except (OSError, ValueError):  # the parent stopped reading: progress is not worth failing for
+                pass
+
+    relay = _PipeHandler(logging.INFO)
+    loggers = [logging.getLogger(name) for name in (*_PROGRESS_LOGGERS, QNN_PREPROCESS_LOGGER)]
+    removed, propagate = [], [source.propagate for source in loggers]
+    for source in loggers:
+        source.propagate = False  # the parent shows them (or drops them) as its own records
+        for handler in [h for h in source.handlers if isinstance(h, LoweringProgress)]:
+            source.removeHandler(handler)
+            removed.append((source, handler))
+        source.addHandler(relay)
+    try:
+        yield
+    finally:
+        for source, flag in zip(loggers, propagate):
+            source.removeHandler(relay)
+            source.propagate = flag
+        for source, handler in removed:
+            source.addHandler(handler)
+
+
 class LoweringProgress(logging.Handler):
     """Where a lowering is, read from the records above: the step that runs, what happens to a shard (prepared,
     compiled), and how many shards of how many are done. Each change goes to ``view`` (`update(self)`)."""

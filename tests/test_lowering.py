@@ -10,6 +10,9 @@ Tolerances (HTP on the x86 emulator vs fp32 eager, measured on these tiny graphs
 
 from __future__ import annotations
 
+import os
+import signal
+
 import torch
 from torch import nn
 
@@ -192,7 +195,8 @@ def test_ops_left_on_cpu_are_reported_by_name(qnn_sdk):
         assert_close_fp16(out, module(x))
 
 
-def test_pt2e_quantized_graph_lowers_and_runs(qnn_sdk):
+def _quantized_mlp(calibration_steps: int) -> tuple[nn.Module, torch.Tensor, torch.fx.GraphModule]:
+    """A float MLP, an input, and its 16a8w PT2E graph (QnnQuantizer) calibrated on random inputs and the input."""
     from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
     from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -203,10 +207,14 @@ def test_pt2e_quantized_graph_lowers_and_runs(qnn_sdk):
     quantizer = QnnQuantizer(soc_model=QcomChipset.SM8650)
     quantizer.set_default_quant_config(QuantDtype.use_16a8w, is_linear_per_channel=True)
     prepared = prepare_pt2e(torch.export.export(model, (x,), strict=True).module(), quantizer)
-    for _ in range(8):
+    for _ in range(calibration_steps):
         prepared(torch.randn(4, 32))
     prepared(x)
-    converted = convert_pt2e(prepared)
+    return model, x, convert_pt2e(prepared)
+
+
+def test_pt2e_quantized_graph_lowers_and_runs(qnn_sdk):
+    model, x, converted = _quantized_mlp(8)
 
     lowered = lower_to_pte({"forward": torch.export.export(converted, (x,), strict=True)}, Soc.SM8650, fp16=False)
     assert lowered.delegation["forward"].fully_delegated  # quantize/dequantize included
@@ -215,6 +223,38 @@ def test_pt2e_quantized_graph_lowers_and_runs(qnn_sdk):
         assert (out - converted(x)).abs().max().item() <= 1e-3
         # Loose: measures the quantizer's default observers (0.994 here), not the lowering.
         assert _cosine(out, model(x)) >= 0.99
+
+
+def test_a_portable_lowering_lowers_in_another_process(qnn_sdk, run_python, tmp_path):
+    """`EdgeLowering.portable()` is what a Ray cell receives: a PT2E-quantized graph saved with torch.export, which
+    a fresh interpreter (no quantizer imported) loads and lowers into the program this process makes from the
+    same graph: the same QNN contexts (graphs, IO, encodings) and bit-equal outputs on the emulator."""
+    import pickle
+
+    from optimum_qnn.artifacts.inspection import inspect_bytes
+    from optimum_qnn.exporter.lowering import EdgeLowering
+
+    _, x, converted = _quantized_mlp(0)
+    portable = EdgeLowering({"forward": (converted, (x,))}, fp16=False, constant_methods={"get_ar_len": 4}).portable()
+    (tmp_path / "portable.pickle").write_bytes(pickle.dumps(portable))
+    code = (
+        "import pickle, sys\n"
+        "from optimum_qnn.config import Soc\n"
+        "from optimum_qnn.exporter.lowering import EdgeLowering\n"
+        "lowering = EdgeLowering.from_portable(pickle.load(open(sys.argv[1], 'rb')))\n"
+        "lowering.lower(Soc.SM8650, path=sys.argv[2], keep=False)\n"
+    )
+    proc = run_python("-c", code, str(tmp_path / "portable.pickle"), str(tmp_path / "there.pte"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    there = (tmp_path / "there.pte").read_bytes()
+    here = EdgeLowering.from_portable(pickle.loads((tmp_path / "portable.pickle").read_bytes())).lower(
+        Soc.SM8650, keep=False
+    ).buffer
+    assert inspect_bytes(there).to_dict() == inspect_bytes(here).to_dict()
+    (tmp_path / "here.pte").write_bytes(here)
+    for out, ref in zip(run_method(tmp_path / "there.pte", "forward", (x,)), run_method(tmp_path / "here.pte", "forward", (x,)),
+                        strict=True):
+        assert torch.equal(out, ref)
 
 
 def test_compile_specs_refuse_weight_sharing_for_one_graph(qnn_sdk):
@@ -317,6 +357,41 @@ def test_one_edge_conversion_serves_several_socs(qnn_sdk, attention, hybrid_inpu
             assert torch.equal(out, ref)
     with pytest.raises(RuntimeError, match="consumed"):
         shared.lower(Soc.SM8650)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a kept lowering forks on Linux only")
+def test_a_kept_lowering_runs_in_a_child_and_makes_what_this_process_would(qnn_sdk, attention, hybrid_inputs,
+                                                                          monkeypatch):
+    """A SoC lowered with keep=True runs in a forked child: this process's QNN counters do not move, so the next
+    lowering here makes the same program (but for the clock-stamped context signatures); the child's errors and its
+    death come back as errors here."""
+    from optimum_qnn.artifacts.inspection.pte import normalized_program
+    from optimum_qnn.errors import InvalidInputError
+    from optimum_qnn.exporter import forked, lowering
+
+    children = []
+    run_forked = lowering.run_forked
+    monkeypatch.setattr(lowering, "run_forked", lambda fn, what: children.append(what) or run_forked(fn, what))
+    programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
+    shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
+    kept = [shared.lower(Soc.SM8750, weight_sharing=False) for _ in range(2)]
+    assert children == ["the lowering for SM8750"] * 2
+
+    def fail(*args, **kwargs):
+        raise InvalidInputError("refused in the child")
+
+    with monkeypatch.context() as m:
+        m.setattr(lowering, "lower_edge", fail)
+        with pytest.raises(InvalidInputError, match="refused in the child"):
+            shared.lower(Soc.SM8750, weight_sharing=False)
+        m.setattr(lowering, "lower_edge", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+        with pytest.raises(RuntimeError, match="killed by signal SIGKILL"):
+            shared.lower(Soc.SM8750, weight_sharing=False)
+    assert not forked.parallel_compile._live  # no child left registered with the memory sampler
+    here = shared.lower(Soc.SM8750, weight_sharing=False, keep=False)
+    assert len(children) == 4
+    assert normalized_program(kept[0].buffer) == normalized_program(kept[1].buffer) == normalized_program(here.buffer)
+    assert kept[0].delegation == here.delegation
 
 
 def test_a_soc_s_copy_of_the_edge_programs_shares_their_weights(qnn_sdk, attention, hybrid_inputs):

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import shutil
@@ -26,6 +27,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from optimum_qnn.config import Soc
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
@@ -39,7 +42,8 @@ from optimum_qnn.exporter.edge import (
 )
 from optimum_qnn.exporter.memory import return_free_heap
 from optimum_qnn.native_output import quiet_native_output
-from optimum_qnn.exporter.parallel_compile import default_workers
+from optimum_qnn.exporter.forked import run_forked
+from optimum_qnn.exporter.parallel_compile import default_workers, fork_available
 from optimum_qnn.progress import report_step
 from optimum_qnn.sdk import ensure_qnn_sdk
 
@@ -241,6 +245,46 @@ class EdgeLowering:
         self.shard_starts = tuple(sorted(shard_starts))
         self.quantized_io = dict(quantized_io or {})
         self._edge: EdgeProgramManager | None = None
+        self._fresh = False  # the sources are exported programs made for this lowering (`from_portable`)
+
+    def portable(self) -> dict[str, Any]:
+        """What another process (a Ray task: `optimum_qnn.exporter.cluster`) needs to make this lowering again:
+        each method exported and saved with `torch.export.save`, and this lowering's options.
+        `EdgeLowering.from_portable` takes it. Releases this object's sources; must come before `prepare`.
+
+        The edge programs themselves do not travel: their node metadata holds fake tensors and native objects that do
+        not pickle (measured on executorch 1.5.1), so a lowering made from this prepares them again."""
+        import io
+
+        if self._programs is None:
+            raise RuntimeError("portable() needs the sources: call it before prepare() or lower()")
+        saved = {}
+        for name, source in self._programs.items():
+            program = export_method(name, source)
+            buffer = io.BytesIO()
+            torch.export.save(program, buffer)
+            saved[name] = buffer.getvalue()
+        self._programs = None
+        return {
+            "saved": saved, "fp16": self.fp16, "constant_methods": self.constant_methods, "skip_ops": self.skip_ops,
+            "int64_inputs": self.int64_inputs, "shard_starts": self.shard_starts, "quantized_io": self.quantized_io,
+        }
+
+    @classmethod
+    def from_portable(cls, portable: Mapping[str, Any]) -> "EdgeLowering":
+        """The lowering `portable()` described, in this process."""
+        import io
+
+        # The custom ops a quantized graph calls must be registered before it deserializes: the PT2E quantize and
+        # dequantize ops, and ExecuTorch's quantized embedding lookups.
+        import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401
+        import torchao.quantization.pt2e  # noqa: F401
+
+        options = dict(portable)
+        programs = {name: torch.export.load(io.BytesIO(data)) for name, data in options.pop("saved").items()}
+        lowering = cls(programs, **options)
+        lowering._fresh = True  # exported for this lowering alone: `prepare` takes them as they are
+        return lowering
 
     @property
     def prepared(self) -> bool:
@@ -261,7 +305,9 @@ class EdgeLowering:
         logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
         with quiet_native_output() as native_log:
             report_step("re-exporting the graphs")
-            exported = {name: export_method(name, source) for name, source in self._programs.items()}
+            exported = {
+                name: source if self._fresh else export_method(name, source) for name, source in self._programs.items()
+            }
             self._programs = None
             self._edge = to_edge(
                 exported, _edge_spec(fp16=self.fp16, multiple=len(exported) > 1),
@@ -296,8 +342,10 @@ class EdgeLowering:
                 (the export's memory budget); None: only what the machine has available limits them.
             path: write the program to this file as it is serialized (ExecuTorch's `write_to_file`) instead of
                 returning its bytes: Gemma-4-E2B's program is 3 GB, and joining it in memory costs that much again.
-            keep: keep the edge programs for another `lower` (this one works on a copy that shares their weight
-                tensors); False lowers the edge programs themselves and lets them go (the last SoC).
+            keep: keep the edge programs for another `lower`: on Linux this SoC is lowered in a forked child, on its
+                copy-on-write copy of them (and gets the program a lowering of its own makes: `forked`), elsewhere
+                on a copy that shares their weight tensors; False lowers the edge programs themselves and lets them
+                go (the last SoC).
 
         Returns:
             The `LoweredProgram` (bytes + delegation summary).
@@ -323,6 +371,16 @@ class EdgeLowering:
         from executorch.exir import ExecutorchBackendConfig
         from executorch.exir.passes.memory_planning_pass import MemoryPlanningPass
 
+        if keep and fork_available():
+            # In a child that lowers its copy-on-write copy of the edge programs: this process's QNN counters stay
+            # where they were, so this SoC's program is the one a single-SoC export makes (`optimum_qnn.exporter.forked`).
+            return run_forked(
+                functools.partial(
+                    self.lower, soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
+                    memory_budget_gb=memory_budget_gb, path=path, keep=False,
+                ),
+                f"the lowering for {soc.value}",
+            )
         logger.info("Lowering %s to QNN for %s (%s)", ", ".join(self.methods), soc.value, "fp16" if self.fp16 else "quantized")
         if keep:
             edge = copy_sharing_tensors(self._edge)

@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 _DEFAULT_BYTES_PER_PARAM = 7.0
 _POLL_SECONDS = 0.05
 
-# pid -> shard index of the compile workers running now; read by the export's RSS sampler thread.
+# pid -> shard index of the compile workers running now (-1: a forked SoC lowering); read by the export's RSS
+# sampler thread.
 _live: dict[int, int] = {}
 # Reading /proc/PID/smaps_rollup walks the worker's page tables: measured 135 ms for a 2.8 GB process on a busy
 # 2-core machine, so each worker's figure is re-read only after 20 times the last read's cost (at least 0.25 s),
@@ -91,11 +92,16 @@ def workers_private_mb() -> float:
 
 
 def _private_kb(pid: int) -> int:
+    """USS of ``pid`` and of its own children (a SoC's forked lowering, `optimum_qnn.exporter.forked`, forks its
+    shard compiles in turn)."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
-            return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+            kb = sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(child) for child in f.read().split()]
     except (OSError, ValueError, IndexError):  # exited meanwhile
         return 0
+    return kb + sum(_private_kb(child) for child in children)
 
 
 def _available_kb() -> float:

@@ -26,6 +26,7 @@ from optimum_qnn.artifacts.writer import VariantWriter, check_output_folder, fol
 from optimum_qnn.quantization.calibration import CalibrationSource
 from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import RunnerContract
+from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.evaluation import DEFAULT_MAX_TOKENS
 from optimum_qnn.artifacts.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
@@ -153,6 +154,7 @@ def export(
     evaluate: Path | None = None,
     evaluate_tokens: int = DEFAULT_MAX_TOKENS,
     check_weight_sharing: bool = False,
+    cluster=None,
 ) -> ExportResult:
     """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
 
@@ -174,6 +176,8 @@ def export(
         check_weight_sharing: for a weight-shared export, also lower the graphs without weight sharing (one more
             lowering per SoC) and record in the manifest that both builds hold the same graphs, IO and encodings
             and that the shared one stores its weights once (`inspection.sharing_check`).
+        cluster: an `optimum_qnn.exporter.cluster.RayMatrix`: the SoC-specific lowerings run as its tasks and this
+            returns once they are submitted; the variants are written as `cluster.collect()` receives them.
 
     Returns:
         The variant folders written and per-stage wall time / peak RSS.
@@ -182,6 +186,9 @@ def export(
         OptimumQnnError: for every failure a user can cause (`InvalidInputError`, `CheckpointError`, `HubError`...).
     """
     check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens)
+    if cluster is not None and check_weight_sharing:
+        raise InvalidInputError("--check-weight-sharing lowers each SoC twice in this process; it does not run on a "
+                                "Ray cluster: drop --ray, or drop --check-weight-sharing")
     evaluate = None if evaluate is None else Path(evaluate)
     calibration = calibration or CalibrationSource()
     texts = read_texts(config, calibration, evaluate)
@@ -191,7 +198,7 @@ def export(
         check_output_folder(result.output)  # fail in a second, not after calibration and lowering
         return _export(
             str(model), result, config, revision, calibration, texts, allow_pickle, evaluate, evaluate_tokens,
-            check_weight_sharing,
+            check_weight_sharing, cluster,
         )
     except BaseException:
         if created is not None and not result.variants:
@@ -202,9 +209,48 @@ def export(
         raise
 
 
+def export_matrix(
+    model: str | Path, output: str | Path, configs: list[ExportConfig], *, ray: str | None = None, **options
+) -> list[ExportResult]:
+    """`export` for each config (a scheme, with its SoCs) into one artifact folder.
+
+    Args:
+        ray: None exports here, one scheme after the other; an address ("" for the default: see
+            `optimum_qnn.exporter.cluster.RayMatrix`) lowers each (scheme, SoC) cell as a task on that Ray cluster,
+            each scheme calibrated and quantized here once, its variants written as they arrive.
+        options: `export`'s keyword arguments.
+
+    Raises:
+        ClusterError: (with ``ray``) cells failed on the cluster; the others were written, and the error's
+            ``results`` says what landed.
+    """
+    if not configs:
+        raise InvalidInputError("Nothing to export: no quantization scheme given")
+    if ray is None:
+        return [export(model, output, config, **options) for config in configs]
+    from optimum_qnn.exporter.cluster import RayMatrix
+
+    for config in configs:  # every config's arguments are checked before the cluster is touched
+        check_arguments(model, output, config, options.get("revision"), options.get("calibration"),
+                        options.get("evaluate"), options.get("evaluate_tokens", DEFAULT_MAX_TOKENS))
+    created = first_missing(Path(output))
+    results: list[ExportResult] = []
+    try:
+        with RayMatrix(ray or None) as cluster:
+            for config in configs:
+                results.append(export(model, output, config, cluster=cluster, **options))
+            cluster.collect()
+    except BaseException as error:
+        if created is not None and not any(r.variants for r in results):
+            shutil.rmtree(created, ignore_errors=True)
+        error.results = results
+        raise
+    return results
+
+
 def _export(model: str, result: ExportResult, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
             texts: list[str] | None, allow_pickle: bool, evaluate: Path | None, evaluate_tokens: int,
-            check_weight_sharing: bool) -> ExportResult:
+            check_weight_sharing: bool, cluster) -> ExportResult:
     output = result.output
     with _stage(result, "load"):
         folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
@@ -263,7 +309,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     from optimum_qnn.artifacts.hub import write_model_card
     from optimum_qnn.artifacts.inspection import export_time_inspection
     from optimum_qnn.exporter.delegation import format_delegation
-    from optimum_qnn.exporter.lowering import EdgeLowering
+    from optimum_qnn.exporter.lowering import EdgeLowering, LoweredProgram
 
     evaluator = None
     if evaluate is not None:
@@ -276,6 +322,29 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         skip_ops=_CPU_OPS, int64_inputs={"tokens"}, shard_starts=shard_starts, quantized_io=quantized_io,
     )
     del sources
+    weight_sharing = config.weight_sharing and len(methods) > 1
+
+    def write(soc: Soc, lowered: LoweredProgram, unshared=None) -> None:
+        """Inspect one SoC's lowered program and put its variant in place (the card lists every variant)."""
+        with _stage(result, f"inspect {soc.value}"):
+            inspection = export_time_inspection(lowered.program, unshared)
+        with _stage(result, f"write {soc.value}"):
+            path = writer.write_variant(
+                variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
+                evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
+            )
+            result.variants.append(path)
+            with folder_lock(output):  # the folder is complete as published: its card lists every variant
+                write_model_card(output)
+
+    if cluster is not None:  # the SoC-specific part runs on the cluster's nodes; written as each arrives
+        def landed(soc: Soc, lowered: LoweredProgram, seconds: float, peak_mb: float) -> None:
+            result.stages.append(StageStats(f"lower {soc.value}", seconds, peak_mb))  # the cell's own figures
+            result.delegation[soc.value] = format_delegation(lowered.delegation)
+            write(soc, lowered)
+
+        cluster.submit(lowering, config, weight_sharing, memory, output, landed)
+        return result
     with _stage(result, "edge"), lowering_progress("Preparing the graphs for QNN", _rss_mb):
         lowering.prepare()
     for i, soc in enumerate(config.socs):
@@ -286,22 +355,10 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         program_file = staging_path(output, ".pte")
         try:
             with _stage(result, f"lower {soc.value}"), lowering_progress(f"Lowering for {soc.value}", _rss_mb):
-                lowered = lower(
-                    weight_sharing=config.weight_sharing and len(methods) > 1, path=program_file,
-                    keep=not last or check_weight_sharing,
-                )
+                lowered = lower(weight_sharing=weight_sharing, path=program_file, keep=not last or check_weight_sharing)
                 result.delegation[soc.value] = format_delegation(lowered.delegation)
-            with _stage(result, f"inspect {soc.value}"):
-                unshared = (lambda: lower(weight_sharing=False, keep=not last).buffer) if check_weight_sharing else None
-                inspection = export_time_inspection(lowered.program, unshared)
-            with _stage(result, f"write {soc.value}"):
-                path = writer.write_variant(
-                    variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
-                    evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
-                )
-                result.variants.append(path)
-                with folder_lock(output):  # the folder is complete as published: its card lists every variant
-                    write_model_card(output)
+            unshared = (lambda: lower(weight_sharing=False, keep=not last).buffer) if check_weight_sharing else None
+            write(soc, lowered, unshared)
         finally:
             program_file.unlink(missing_ok=True)
     return result

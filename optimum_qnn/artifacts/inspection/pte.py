@@ -73,12 +73,16 @@ class _Table:
         return data.decode() if data is not None else ""
 
     def blob(self, index: int) -> bytes | None:
-        at = self._field(index)
+        at = self.blob_offset(index)
         if at is None:
             return None
-        start = self._indirect(at)
-        length = struct.unpack_from("<I", self.buf, start)[0]
-        return self.buf[start + 4:start + 4 + length]
+        length = struct.unpack_from("<I", self.buf, at - 4)[0]
+        return self.buf[at:at + length]
+
+    def blob_offset(self, index: int) -> int | None:
+        """Where a byte vector's bytes start in the buffer."""
+        at = self._field(index)
+        return None if at is None else self._indirect(at) + 4
 
     def tables(self, index: int) -> list["_Table"]:
         at = self._field(index)
@@ -111,6 +115,7 @@ class QnnDelegate:
         binary: the QNN context binary (the protocol header stripped); a view into the program's bytes for a
             segment, so reading a program does not copy its contexts.
         options: its compile options, or None when the spec is missing.
+        offset: where its processed bytes (the context header, then the binary) start in the program's bytes.
     """
 
     method: str
@@ -118,6 +123,7 @@ class QnnDelegate:
     key: str
     binary: bytes | memoryview
     options: CompileOptions | None
+    offset: int = -1
 
     @property
     def targets(self) -> frozenset[tuple[str, int]]:
@@ -197,9 +203,28 @@ def _delegates(data: bytes) -> list[QnnDelegate]:
                 payload, key = memoryview(data)[start:start + size], f"segment:{ref_index}"
             else:
                 payload, key = inline[ref_index].blob(0) or b"", f"inline:{ref_index}"
+                start = inline[ref_index].blob_offset(0) or -1
             options = None
             for spec in delegate.tables(_DELEGATE_COMPILE_SPECS):
                 if spec.string(0) == QNN_COMPILE_SPEC_KEY:
                     options = compile_options(spec.blob(1) or b"")
-            found.append(QnnDelegate(method, index, key, strip_context_header(payload), options))
+            found.append(QnnDelegate(method, index, key, strip_context_header(payload), options, start))
     return found
+
+
+def normalized_program(data: bytes) -> bytes:
+    """The program's bytes with the signature of each QNN context header zeroed.
+
+    ExecuTorch stamps each context header with a signature taken from the clock when the context is compiled
+    (executorch 1.5.1's QnnContextCustomProtocol), so two lowerings of the same graphs never have the same bytes
+    there; everything else of two lowerings from the same QNN state is the same (`optimum_qnn.exporter.forked`).
+    Two programs with equal normalized bytes differ in nothing but when they were compiled.
+
+    Raises:
+        QnnInspectError: as `qnn_delegates`.
+    """
+    out = bytearray(data)
+    for delegate in qnn_delegates(data):
+        signature = delegate.offset + 4  # after the magic
+        out[signature:signature + 8] = bytes(8)
+    return bytes(out)
