@@ -112,15 +112,16 @@ _STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P
 PROFILE_RATE = 20  # py-spy samples per second (benchmarks/lowering_profile.py reads the profile)
 
 
-def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str, extra: list[str],
+def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Sequence[str], extra: list[str],
                memory_limit_gb: float | None = None, profile: Path | None = None, allow_failure: bool = False) -> dict:
-    """`optimum-cli export qnn` for ``soc`` (one SoC, or several in one export) under `/usr/bin/time -v`: its stage
+    """`optimum-cli export qnn` for ``soc`` and ``quant`` (one, or several in one export) under `/usr/bin/time -v`: its stage
     lines, wall time, peak RSS, CPU share and the (first) .pte's components. The log goes beside ``out``."""
     shutil.rmtree(out, ignore_errors=True)
     cli = Path(sys.executable).with_name("optimum-cli")
     socs = [soc] if isinstance(soc, str) else list(soc)
+    schemes = [quant] if isinstance(quant, str) else list(quant)
     command = ["/usr/bin/time", "-v", str(cli), "export", "qnn", "--model", str(model), "--output", str(out),
-               "--soc", *socs, "--quant", quant, "-v", *extra]
+               "--soc", *socs, "--quant", *schemes, "-v", *extra]
     print("$", " ".join(command[2:]), flush=True)
     if profile is not None:  # every process of the export sampled, the forked shard compiles included
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))

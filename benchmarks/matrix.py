@@ -56,9 +56,9 @@ def measure(work: Path) -> dict:
     from tests.ray_cluster import loopback_cluster
 
     model = tiny_gemma4.build(run.DEMO_DIR)
-    local = e2b_full.run_export(model, work / "local", SOCS, SCHEMES[0], list(SCHEMES[1:]))
+    local = e2b_full.run_export(model, work / "local", SOCS, SCHEMES, [])
     with loopback_cluster(work / "cluster") as cluster:
-        remote = e2b_full.run_export(model, work / "ray", SOCS, SCHEMES[0], [*SCHEMES[1:], "--ray", cluster.address])
+        remote = e2b_full.run_export(model, work / "ray", SOCS, SCHEMES, ["--ray", cluster.address])
     log = (work / "ray.log").read_text()
     cells = [{"cell": f"{m['scheme']} {m['soc']}", "s": float(m["s"])} for m in _CELL.finditer(log)]
     rows = {}

@@ -199,7 +199,7 @@ def render(results: dict) -> str:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
-        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json) by benchmarks/results.py; a row's `commit` column is "
+        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json, matrix.json) by benchmarks/results.py; a row's `commit` column is "
         "the commit it was measured on (`not recorded`: measured before rows recorded it). "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
@@ -253,7 +253,7 @@ def render(results: dict) -> str:
         + bench_section(results.get("bench"), results.get("weights"), steps)
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
         + chat_section(stored("chat_reuse.json")) + profile_section(stored("lowering_profile.json"))
-        + multi_soc_section(stored("multi_soc.json"))
+        + multi_soc_section(stored("multi_soc.json")) + matrix_section(stored("matrix.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text
@@ -338,6 +338,37 @@ def multi_soc_section(rows: dict) -> str:
                          "edge conversion: the `edge` stage) is one of the shared stages, and an SoC's own lowering is "
                          "its partitioning, HTP compile and serialization; the rows labelled `before 866bf35` ran the "
                          "whole lowering per SoC, measured in the same sitting as the rows without a label.\n", run_text)
+
+
+def matrix_section(rows: dict) -> str:
+    """The export matrix: measured at small scale (here and on a loopback Ray cluster), and on paper at full scale."""
+    import matrix
+
+    def run_text(label: str, run: dict) -> str:
+        cells = ", ".join(f"{c['cell']} {c['s']:.1f} s" for c in run.get("cells", ()))
+        return (f"\n{label} (commit {run['commit']}): wall {run['wall_s']:.1f} s; driver stages {run['driver']:.1f} s, "
+                f"lowering {run['lower']:.1f} s, inspect + write {run['write']:.1f} s"
+                + (f"; cells {cells}; the formula below on this run's own parts: {run['formula_s']:.1f} s"
+                   if cells else "") + ".\n")
+
+    paper = matrix.paper()
+    table = markdown(
+        ["model", "source row", "D s", "C s", "W s", *(f"{n} node(s), s" for n in matrix.PAPER_NODES)],
+        [[e["model"], e["row"], f"{e['D']:.0f}", f"{e['C']:.0f}", f"{e['W']:.0f}",
+          *(str(e[f"{n} nodes"]) for n in matrix.PAPER_NODES)] for e in paper],
+    )
+    return _runs_section(rows, "\n## The export matrix: schemes x SoCs, on one machine and on a Ray cluster\n\n"
+                         "benchmarks/matrix.py measure: the demo model, `--soc SM8650 SM8750 --quant 16a8w 8a8w`, here and "
+                         "with `--ray` on a 2-node cluster on loopback (both nodes on this machine's 2 cores: the row "
+                         "measures each cell's cost and the cluster's overhead, not a speed-up). A Ray cell converts the "
+                         "graphs for QNN itself (the edge programs do not serialize), so its lowering includes what the "
+                         "local export's `edge` stage does once per scheme.\n", run_text) + (
+        "\nOn paper (estimates from the measured full-size single-SoC stages named, 2 schemes x 4 phone SoCs): "
+        "N nodes take S x D + ceil(S x K / N) x C + S x K x W, with D the driver's stages per scheme (load to "
+        "quantize), C one SoC's lowering (edge conversion included, as a cell runs it) and W its inspect and write "
+        "on the driver; 1 node is every SoC lowered in full, an upper bound of a local export, which converts the "
+        "graphs once per scheme.\n\n" + table + "\n"
+    )
 
 
 def probe_section(rows: dict) -> str:

@@ -145,3 +145,16 @@ def test_a_failing_cell_is_reported_and_the_others_land(tiny_checkpoint, tmp_pat
         assert f"wrote {path}" in stdout
         assert (path / "model.pte").stat().st_size > 0 and (path / "manifest.json").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".")and p.suffix == ".pte"]
+
+
+def test_a_matrix_refuses_what_a_cluster_cannot_do_before_any_work(tiny_checkpoint, tmp_path, capsys):
+    """Bad matrix arguments are refused before the model loads or a cluster is touched, and leave no folder."""
+    from tests.conftest import run_main
+
+    out = tmp_path / "artifact"
+    base = ["export", "-m", tiny_checkpoint, "-o", out, "--soc", *SOCS, *COMMON]
+    code, _, stderr = run_main([*base, "--quant", *SCHEMES, "--ray", "127.0.0.1:9", "--check-weight-sharing"], capsys)
+    assert code == 2 and "--check-weight-sharing" in stderr and "drop --ray" in stderr
+    code, _, stderr = run_main([*base, "--quant", "16a8w", "16a9w", "--ray", "127.0.0.1:9"], capsys)
+    assert code == 2 and "16a9w" in stderr and "16a8w" in stderr  # the bad scheme, and the ones there are
+    assert not ray.is_initialized() and not out.exists()

@@ -357,3 +357,39 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
     for delegate in delegates:
         assert delegate.binary == in_parent[delegate.index], (delegate.method, delegate.index)
     assert len({d.binary for d in delegates}) == 3
+
+
+@needs_fork
+def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
+    """`die_with_parent`: a compile worker or a SoC's lowering does not outlive an export that was killed."""
+    marker = tmp_path / "grandchild"
+    middle = os.fork()
+    if middle == 0:  # stands for the export
+        parent = os.getpid()
+        child = os.fork()
+        if child == 0:  # stands for its worker
+            parallel_compile.die_with_parent(parent)
+            marker.write_text(str(os.getpid()))
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(60)
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.05)
+    worker = int(marker.read_text())
+    os.kill(middle, signal.SIGKILL)
+    os.waitpid(middle, 0)
+    deadline = time.monotonic() + 10
+    while _running(worker):
+        assert time.monotonic() < deadline, "the worker outlived the process that forked it"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -51,8 +51,10 @@ def run_forked(fn: Callable[[], T], what: str) -> T:
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: never returns
+            parallel_compile.die_with_parent(parent)
             os.close(read_fd)
             _child(fn, result_path, write_fd)
         os.close(write_fd)

@@ -66,6 +66,17 @@ def fork_available() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "waitid")
 
 
+def die_with_parent(parent: int) -> None:
+    """In a forked child: be killed when the process that forked it ends (Linux `PR_SET_PDEATHSIG`), so an export
+    that is killed leaves no compile or lowering running behind it, writing files nobody reads."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before the request was made
+        os._exit(1)
+
+
 def default_workers() -> int:
     """The cores this process may run on (its CPU affinity), or 1 where workers cannot be forked."""
     if not fork_available():
@@ -237,8 +248,10 @@ class _WorkerPool:
         path = self._path(shard)
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker: never returns
+            die_with_parent(parent)
             _compile_and_exit(compile_fn, path)
         self.running[pid] = (shard, params)
         _live[pid] = shard

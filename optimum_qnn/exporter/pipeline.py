@@ -187,8 +187,7 @@ def export(
     """
     check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens)
     if cluster is not None and check_weight_sharing:
-        raise InvalidInputError("--check-weight-sharing lowers each SoC twice in this process; it does not run on a "
-                                "Ray cluster: drop --ray, or drop --check-weight-sharing")
+        raise InvalidInputError(_NO_SHARING_CHECK_ON_RAY)
     evaluate = None if evaluate is None else Path(evaluate)
     calibration = calibration or CalibrationSource()
     texts = read_texts(config, calibration, evaluate)
@@ -207,6 +206,10 @@ def export(
             logger.warning("The export failed; the variants written before the failure are kept: %s",
                            ", ".join(str(v) for v in result.variants))
         raise
+
+
+_NO_SHARING_CHECK_ON_RAY = ("--check-weight-sharing lowers each SoC twice in this process; it does not run on a Ray "
+                            "cluster: drop --ray, or drop --check-weight-sharing")
 
 
 def export_matrix(
@@ -230,6 +233,8 @@ def export_matrix(
         return [export(model, output, config, **options) for config in configs]
     from optimum_qnn.exporter.cluster import RayMatrix
 
+    if options.get("check_weight_sharing"):
+        raise InvalidInputError(_NO_SHARING_CHECK_ON_RAY)
     for config in configs:  # every config's arguments are checked before the cluster is touched
         check_arguments(model, output, config, options.get("revision"), options.get("calibration"),
                         options.get("evaluate"), options.get("evaluate_tokens", DEFAULT_MAX_TOKENS))
