@@ -1,6 +1,6 @@
 """The export matrix (schemes x SoCs): measured at small scale here, and on paper at full scale from stored rows.
 
-measure: the demo Gemma4, `--soc SM8650 SM8750 --quant 16a8w 8a8w` through the command users type, (1) on this
+measure: the demo Gemma4, `--soc SM8650 SM8750 --quant 16a8w 16a4w` through the command users type, (1) on this
     machine, (2) with `--ray` on a 2-node Ray cluster on loopback (tests/ray_cluster.py: both nodes share this
     machine's cores, so the row measures each cell's cost and the cluster's overhead, not a speed-up). Rows go to
     benchmarks/matrix.json with the commit they ran on. Run it alone.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 ROWS_FILE = HERE / "matrix.json"
 SOCS = ("SM8650", "SM8750")
-SCHEMES = ("16a8w", "8a8w")
+SCHEMES = ("16a8w", "16a4w")
 PAPER_SOCS, PAPER_SCHEMES, PAPER_NODES = 4, 2, (1, 2, 4, 8)
 DRIVER = ("load", "swap", "export", "calibrate", "quantize", "edge")
 _CELL = re.compile(r"\[lower (?P<scheme>\S+) (?P<soc>\S+)\] done in (?P<s>[\d.]+) s")

@@ -358,7 +358,7 @@ def matrix_section(rows: dict) -> str:
           *(str(e[f"{n} nodes"]) for n in matrix.PAPER_NODES)] for e in paper],
     )
     return _runs_section(rows, "\n## The export matrix: schemes x SoCs, on one machine and on a Ray cluster\n\n"
-                         "benchmarks/matrix.py measure: the demo model, `--soc SM8650 SM8750 --quant 16a8w 8a8w`, here and "
+                         "benchmarks/matrix.py measure: the demo model, `--soc SM8650 SM8750 --quant 16a8w 16a4w`, here and "
                          "with `--ray` on a 2-node cluster on loopback (both nodes on this machine's 2 cores: the row "
                          "measures each cell's cost and the cluster's overhead, not a speed-up). A Ray cell converts the "
                          "graphs for QNN itself (the edge programs do not serialize), so its lowering includes what the "

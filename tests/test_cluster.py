@@ -135,6 +135,14 @@ def test_a_failing_cell_is_reported_and_the_others_land(tiny_checkpoint, tmp_pat
     with loopback_cluster(tmp_path, nodes) as cluster:
         code, stdout, stderr = run_main(["export", "-m", tiny_checkpoint, "-o", out, "--soc", *SOCS, "--quant",
                                          "fp16", *COMMON, "--ray", cluster.address], capsys)
+        # And a lowering no node has the memory for is refused up front (the nodes have 6 GB each).
+        from optimum_qnn.exporter.cluster import ClusterError, RayMatrix
+        from optimum_qnn.exporter.memory import MemoryEstimate, MemoryPlan
+
+        with RayMatrix(cluster.address) as matrix:
+            matrix.check_fits(MemoryPlan(MemoryEstimate({"lower": 5.5}, 1), None, "test", True))
+            with pytest.raises(ClusterError, match=r"estimated at 6\.5 GB.*largest: 6\.0 GB of 2 node"):
+                matrix.check_fits(MemoryPlan(MemoryEstimate({"lower": 6.5}, 1), None, "test", True))
     assert code == 2, stderr[-3000:]
     landed = _variants(out)
     failed = [line for line in stderr.splitlines() if line.strip().startswith(("fp16 SM8650:", "fp16 SM8750:"))]

@@ -10,6 +10,7 @@ Tolerances (HTP on the x86 emulator vs fp32 eager, measured on these tiny graphs
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -361,7 +362,7 @@ def test_one_edge_conversion_serves_several_socs(qnn_sdk, attention, hybrid_inpu
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="a kept lowering forks on Linux only")
 def test_a_kept_lowering_runs_in_a_child_and_makes_what_this_process_would(qnn_sdk, attention, hybrid_inputs,
-                                                                          monkeypatch):
+                                                                          monkeypatch, caplog):
     """A SoC lowered with keep=True runs in a forked child: this process's QNN counters do not move, so the next
     lowering here makes the same program (but for the clock-stamped context signatures); the child's errors and its
     death come back as errors here."""
@@ -374,8 +375,12 @@ def test_a_kept_lowering_runs_in_a_child_and_makes_what_this_process_would(qnn_s
     monkeypatch.setattr(lowering, "run_forked", lambda fn, what: children.append(what) or run_forked(fn, what))
     programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
     shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
-    kept = [shared.lower(Soc.SM8750, weight_sharing=False) for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="optimum_qnn.progress"):
+        kept = [shared.lower(Soc.SM8750, weight_sharing=False) for _ in range(2)]
     assert children == ["the lowering for SM8750"] * 2
+    # The child's progress steps reach this process's loggers (and so its progress display) through the pipe.
+    steps = [r.getMessage() for r in caplog.records if r.name == "optimum_qnn.progress"]
+    assert steps.count("Lowering step: serializing the program") == 2, steps
 
     def fail(*args, **kwargs):
         raise InvalidInputError("refused in the child")

@@ -107,6 +107,22 @@ class RayMatrix:
             self._pending.clear()
         self._ray.shutdown()
 
+    def check_fits(self, memory) -> None:
+        """Refuse, before any weight is read, a lowering that no node of the cluster has the memory for (Ray would
+        keep such a task pending for ever).
+
+        Raises:
+            ClusterError: the export's lowering estimate exceeds the memory of every live node."""
+        need = memory.estimate.lowering
+        nodes = [n.get("Resources", {}).get("memory", 0) / 2**30 for n in self._ray.nodes() if n.get("Alive")]
+        largest = max(nodes, default=0.0)
+        if need > largest:
+            raise ClusterError(
+                f"A lowering of this export is estimated at {need:.1f} GB and no node of the Ray cluster has that much "
+                f"memory for tasks (largest: {largest:.1f} GB of {len(nodes)} node(s)): add a node with more memory, "
+                "or choose more --shards (each shard's compile holds less)"
+            )
+
     def submit(self, lowering, config: ExportConfig, weight_sharing: bool, memory, output: Path,
                landed: Callable) -> None:
         """Ship one scheme's graphs (once) and start a task per SoC of ``config``.

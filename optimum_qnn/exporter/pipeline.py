@@ -261,6 +261,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
         tokenizer, config, memory = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate)
         stage_logger.info("%s", memory.summary())
+        if cluster is not None:
+            cluster.check_fits(memory)  # before any weight is read
         # Without --evaluate the Hugging Face model never runs: its embedding tables stay in their stored dtype
         # until they are quantized, and the model is released after the swap.
         # A quantized export also keeps the linear weights as stored (bf16, in the file's pages) and casts them in
