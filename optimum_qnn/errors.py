@@ -25,6 +25,10 @@ class UnsupportedOnSocError(OptimumQnnError, ValueError):
     """An export choice the target SoC's HTP cannot run (optimum_qnn.socs.ARCH_LIMITS)."""
 
 
+class QnnCompileError(OptimumQnnError, RuntimeError):
+    """QNN's HTP compiler rejected a graph the exporter made (an op it has no kernel for at that precision)."""
+
+
 def parse_enum(enum_cls: type[enum.Enum], value: object, what: str):
     """The member of a string-valued enum named by `value` (any case), or a refusal listing the members."""
     if isinstance(value, enum_cls):

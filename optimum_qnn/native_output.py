@@ -75,7 +75,8 @@ def _captured_fds(tail: int) -> Iterator[_NativeLog]:
         except BaseException:
             _restore(saved)
             sink.seek(0)
-            sys.stderr.write(sink.read()[-tail:].decode(errors="replace"))
+            log.text = sink.read().decode(errors="replace")
+            sys.stderr.write(log.text[-tail:])
             raise
         finally:
             _restore(saved)

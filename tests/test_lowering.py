@@ -503,3 +503,42 @@ def test_rmsnorm_on_4d_tensors_on_the_htp(qnn_sdk, form):
     floor, ceiling = RMSNORM_CASES[form]
     assert floor is None or sqnr >= floor, f"{form}: {sqnr:.1f} dB"
     assert ceiling is None or sqnr <= ceiling, f"{form}: {sqnr:.1f} dB (executorch fixed 4-D RmsNorm? drop the 3-D view)"
+
+
+def test_a_graph_qnn_will_not_compile_is_refused_with_what_qnn_said(qnn_sdk):
+    """The HTP has no 8-bit ElementWiseMinimum: ExecuTorch's assertion on the empty context binary becomes a
+    QnnCompileError naming the op QNN could not create (the window band used `minimum` until an 8a8w prefill graph
+    failed on it; the same band as a `where` compiles)."""
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from optimum_qnn.errors import QnnCompileError
+    from optimum_qnn.ops.mask import window_band
+
+    band = window_band(8, 16, 3)
+
+    class Band(nn.Module):
+        def __init__(self, select: bool):
+            super().__init__()
+            self.select = select
+            self.register_buffer("band", band)
+            self.register_buffer("closed", band < 0)
+
+        def forward(self, mask, scores):
+            closed = torch.where(self.closed, self.band, mask) if self.select else torch.minimum(mask, self.band)
+            return torch.softmax(scores + closed, -1)
+
+    mask, scores = torch.zeros(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    mask[..., :4] = -255.0
+    for select in (False, True):
+        quantizer = QnnQuantizer(soc_model=QcomChipset.SM8650)
+        quantizer.set_default_quant_config(QuantDtype.use_8a8w)
+        prepared = prepare_pt2e(torch.export.export(Band(select), (mask, scores), strict=True).module(), quantizer)
+        prepared(mask, scores)
+        program = {"forward": torch.export.export(convert_pt2e(prepared), (mask, scores), strict=True)}
+        if select:
+            assert lower_to_pte(program, Soc.SM8650, fp16=False).delegation["forward"].fully_delegated
+            continue
+        with pytest.raises(QnnCompileError, match=r"refused a graph for SM8650 \(it could not create q::Minimum_u8"):
+            lower_to_pte(program, Soc.SM8650, fp16=False)

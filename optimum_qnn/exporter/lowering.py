@@ -19,11 +19,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
 import shutil
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optimum_qnn.config import Soc
+from optimum_qnn.errors import QnnCompileError
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
 from optimum_qnn.exporter.edge import (
     SHARD_OP,
@@ -388,7 +390,7 @@ class EdgeLowering:
             edge, self._edge = self._edge, None
         freed = return_free_heap()  # what the last SoC's lowering freed but the heap kept
         logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
-        with quiet_native_output() as native_log:
+        with _compile_failures_explained(soc) as native_log:
             edge = lower_edge(
                 edge, spec, skip_ops=self.skip_ops, workers=default_workers() if workers is None else workers,
                 budget_gb=memory_budget_gb,
@@ -419,6 +421,37 @@ class EdgeLowering:
             del executorch_program
         logger.debug("QNN compiler output:\n%s", native_log.text)
         return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+
+
+# What QNN prints when it refuses a graph: the op it could not create, else its first error line.
+_QNN_OP_REFUSED = re.compile(r"could not create op: (\S+)")
+_QNN_ERROR = re.compile(r"\[ERROR\][^:]*:\s*(?:\S+\.cc:\d+::)?(?:ERROR:)?\s*(.+)")
+
+
+@contextlib.contextmanager
+def _compile_failures_explained(soc: Soc) -> Iterator[Any]:
+    """`quiet_native_output`, with QNN's refusal to compile a graph (ExecuTorch asserts on the empty context binary;
+    a shard's worker exits with it) raised as a `QnnCompileError` that names what QNN said."""
+    native_log = None
+    try:
+        with quiet_native_output() as native_log:
+            yield native_log
+    except (AssertionError, RuntimeError) as e:
+        text = str(e)
+        refused = ("Qnn context binary" in text or "empty context binary" in text
+                   or ("QNN compile of shard" in text and "exit code" in text))
+        if not refused:
+            raise
+        raise QnnCompileError(qnn_refusal_message(soc, native_log.text if native_log else "")) from e
+
+
+def qnn_refusal_message(soc: Soc, native_text: str) -> str:
+    """One paragraph for a user whose graph QNN would not compile, from what QNN printed."""
+    ops = list(dict.fromkeys(_QNN_OP_REFUSED.findall(native_text)))
+    errors = list(dict.fromkeys(m.strip() for m in _QNN_ERROR.findall(native_text)))
+    said = f"it could not create {', '.join(ops[:3])}" if ops else (errors[0] if errors else "no reason printed")
+    return (f"QNN's HTP compiler refused a graph for {soc.value} ({said}). The graph uses an op the HTP has no kernel "
+            "for at this precision, and another --quant may compile. QNN's own output is above, and -v shows all of it. Please report it with that output.")
 
 
 def _edge_spec(*, fp16: bool, multiple: bool) -> list[CompileSpec]:

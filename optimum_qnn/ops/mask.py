@@ -76,8 +76,8 @@ def window_band(ar_len: int, context_len: int, window: int, dtype: torch.dtype =
     """The sliding window among one call's own tokens: MASK_MIN where row i meets column ``C - ar_len + c`` with
     ``i - c >= window``, 0 everywhere else (every cache column included).
 
-    ``torch.minimum(mask, window_band(...))`` closes, in any mask, the call's own columns that lie outside the window
-    and leaves the rest as it was. ExecuTorch's ``qnn_llama_runner`` opens a call's own columns causally and applies
+    ``torch.where(band < 0, band, mask)`` closes, in any mask, the call's own columns that lie outside the window
+    and leaves the rest as it was (a select rather than ``torch.minimum``, which the HTP has no 8-bit kernel for). ExecuTorch's ``qnn_llama_runner`` opens a call's own columns causally and applies
     the window to past columns only (``KVManager::init_attention_mask``), so a prefill graph whose call is longer than
     the window applies this band itself; with ``ar_len <= window`` the band is all zeros and is never built.
     """

@@ -250,6 +250,7 @@ class StaticGemma4TextModel(nn.Module):
                 if ar > cfg.sliding_window:
                     band = window_band(ar, ctx.options.max_context_len, cfg.sliding_window)
                     self.register_buffer(f"window_band_{ar}", band, persistent=False)
+                    self.register_buffer(f"window_closed_{ar}", band < 0, persistent=False)
                     self.window_bands.add(ar)
 
     def per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -273,7 +274,10 @@ class StaticGemma4TextModel(nn.Module):
         ple = self.per_layer_inputs(tokens, h) if self.ple_dim else None
         rope = {kind: self.rope(input_pos, kind) for kind in {spec.attention for spec in self.layer_specs}}
         if tokens.shape[1] in self.window_bands:
-            sliding_atten_mask = torch.minimum(sliding_atten_mask, getattr(self, f"window_band_{tokens.shape[1]}"))
+            # `where`, not `minimum`: the HTP has no 8-bit ElementWiseMinimum (QNN cannot create q::Minimum_u8_simple,
+            # so an 8a8w prefill graph failed to compile); a select keeps the mask's range at every precision.
+            band = getattr(self, f"window_band_{tokens.shape[1]}")
+            sliding_atten_mask = torch.where(getattr(self, f"window_closed_{tokens.shape[1]}"), band, sliding_atten_mask)
         masks = {AttentionKind.FULL: atten_mask, AttentionKind.SLIDING: sliding_atten_mask}
         full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         k_out: list[torch.Tensor] = []
