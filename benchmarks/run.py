@@ -267,6 +267,8 @@ def main() -> int:
         print("ROW " + json.dumps(e2b_child(args.e2b_child, args.work)), flush=True)
         return 0
 
+    import results as results_md  # noqa: E402  (it imports this module)
+
     stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
     missing = [s for s in SECTIONS if s not in args.sections and s not in stored]
     if missing:
@@ -290,7 +292,7 @@ def main() -> int:
             child = ["--child", scheme, "--model", model_name, "--work", str(work), "--steps", str(args.steps),
                      "--runs", str(args.runs)]
             measured.append(run_child(child))
-        results[section] = merge_rows(stored.get(section, []), measured)
+        results[section] = results_md.merge_rows(stored.get(section, []), measured)
         minutes[section], t0 = (time.perf_counter() - t0) / 60, time.perf_counter()
     if "bench" in args.sections:
         results["weights"] = {name: weight_stats.class_stats(folder) for name, folder in MODEL_DIRS.items()}
@@ -321,8 +323,6 @@ def main() -> int:
     else:
         results["machine"], results["settings"] = stored.get("machine"), stored.get("settings")
     ROWS_FILE.write_text(json.dumps({**results, "minutes": minutes}, indent=1) + "\n")
-
-    import results as results_md  # noqa: E402  (it imports this module)
 
     text = results_md.write()
     print(text)
