@@ -131,7 +131,10 @@ def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
     def line(name: str, stages: dict[str, list[float]], total_s: float | None = None, peak: float | None = None) -> list[str]:
         cells = [name]
         for s in run.STAGES:
-            sec, mb = stages.get(s, [0.0, 0.0])
+            if s not in stages:  # a stage the pipeline had not split out when the row was measured
+                cells.append("-")
+                continue
+            sec, mb = stages[s]
             cells.append(f"{sec:.0f} / {mb / 1024:.1f}")
         total_s = sum(c[0] for c in stages.values()) if total_s is None else total_s
         peak = max(c[1] for c in stages.values()) / 1024 if peak is None else peak
@@ -149,7 +152,7 @@ def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
         rows.append(line(f"E2B widths, {r['depth']} layers ({run.DEPTHS[r['depth']]} reuse KV)", r["stages"]))
     if len(e2b) >= 2:
         slope_row, extra_row = {}, {}
-        for s in run.STAGES:
+        for s in (s for s in run.STAGES if all(s in r["stages"] for r in e2b)):
             slope_t, at_t = fit_layers([(xs[r["depth"]], r["stages"][s][0]) for r in e2b], full_layers)
             slope_m, at_m = fit_layers([(xs[r["depth"]], r["stages"][s][1]) for r in e2b], full_layers)
             slope_row[s] = [slope_t * per_layer_params, slope_m * per_layer_params]
@@ -205,14 +208,17 @@ def render(results: dict) -> str:
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
         "## Export cost per stage\n\n"
         "Wall seconds and the highest RSS of the export process while the stage ran (sampled every 50 ms), from load "
-        "to write; each export runs in its own process.\n\n"
+        "to write; each export runs in its own process. `edge` is the SoC-independent half of the lowering (ExecuTorch's "
+        "edge passes and partitioning, once per export since 866bf35); a row measured before that has the whole "
+        "lowering under `lower` and `-` under `edge`.\n\n"
         f"- demo Gemma4: examples/tiny_gemma4.py (every trait on, {rows and 'trained here'}), SM8650.\n"
         f"- E2B widths: benchmarks/e2b_width.py, Gemma-4-E2B's real widths (hidden 1536, 8 heads, 1 KV head, "
         "head_dim 256/512, MLP 6144/12288, vocab 262144, per-layer embeddings 256 per layer) with random bf16 "
         f"weights at reduced depth; {run.E2B_SCHEME}, hybrid (prefill {run.E2B_PREFILL} + decode), context {run.E2B_CONTEXT}, "
         "weights shared between the two graphs (the phone build), 4-bit embedding tables, SM8650, calibration on "
         f"random ids (no tokenizer), `--shards` = layers / {run.E2B_LAYERS_PER_SHARD} (one HTP context per "
-        f"{run.E2B_LAYERS_PER_SHARD} layer(s), compiled one at a time).\n"
+        f"{run.E2B_LAYERS_PER_SHARD} layer(s)). The stored rows ran before the commit column existed and before shards "
+        "compiled in worker processes (82f485a): their shards compiled one at a time.\n"
         "- per E2B layer: the slope of a line through the measured depths against the parameters that grow with "
         "depth (decoder layers, and the per-layer embedding table, 256 columns per layer), times those of an "
         "average E2B layer (120 M: 53 M in the layer, KV-reusing layers having a double-wide MLP, and 67 M of "

@@ -41,3 +41,20 @@ def test_an_artifact_without_a_tokenizer_takes_ids_and_refuses_text(random_kv_ex
         code, out, err = run_main(argv, capsys)
         assert code == 2 and "has no tokenizer files" in err and "--prompt-ids" in err, (argv, err)
         assert "Traceback" not in err
+
+
+def test_the_runner_flag_chooses_the_runner_over_the_environment(fp16_export, capsys, tmp_path, monkeypatch):
+    """`--device runner --runner PATH` runs the runner at PATH, not $QNN_LLAMA_RUNNER's: a missing one is named with
+    where it came from; an executable without ExecuTorch's backend library beside it is refused with what is missing."""
+    monkeypatch.setenv("QNN_LLAMA_RUNNER", str(tmp_path / "from-env"))
+    base = ["run", fp16_export.output, "--device", "runner", "--prompt", PROMPT, "--max-new-tokens", "2"]
+    code, out, err = run_main([*base, "--runner", tmp_path / "missing"], capsys)
+    assert code == 2 and f"The runner {tmp_path / 'missing'} (from runner) does not exist" in err, err
+    code, out, err = run_main(base, capsys)
+    assert code == 2 and f"The runner {tmp_path / 'from-env'} (from QNN_LLAMA_RUNNER) does not exist" in err, err
+    lone = tmp_path / "qnn_llama_runner"
+    lone.write_text("#!/bin/sh\nexit 0\n")
+    lone.chmod(0o755)
+    code, out, err = run_main([*base, "--runner", lone], capsys)
+    assert code == 2 and "libqnn_executorch_backend.so" in err and "Traceback" not in err, err
+    assert out == ""
