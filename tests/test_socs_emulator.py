@@ -155,8 +155,8 @@ def _lower(soc: Soc, scheme: str, attention: bool = False):
     (Soc.QCM6490, "16a8w", True, "aten.matmul.default.*was not decomposed or delegated"),
     (Soc.SM8450, "16a8w", True, "aten.matmul.default.*was not decomposed or delegated"),
     # QNN refuses 16-bit weights below v73, and the QnnCompileError quotes its reason.
-    (Soc.QCM6490, "16a16w", False, r"refused a graph for QCM6490 \(.*Value 68, expected >= 73"),
-    (Soc.SM8450, "16a16w", False, r"refused a graph for SM8450 \(.*Value 69, expected >= 73"),
+    (Soc.QCM6490, "16a16w", False, r"refused a graph for QCM6490 \(.*Value 68, expected >= 73.*needs HTP v73 or newer.*QCM6490 is v68"),
+    (Soc.SM8450, "16a16w", False, r"refused a graph for SM8450 \(.*Value 69, expected >= 73.*needs HTP v73 or newer.*SM8450 is v69"),
 ], ids=["v68-16bit-act-matmul", "v69-16bit-act-matmul", "v68-16a16w", "v69-16a16w"])
 def test_a_feature_the_arch_lacks_fails_in_qnn_as_the_table_says(soc, scheme, attention, qnn_error, qnn_sdk):
     """ExportConfig refuses each of these; lowered anyway (below ExportConfig), QNN fails as measured."""

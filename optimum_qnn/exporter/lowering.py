@@ -425,6 +425,8 @@ class EdgeLowering:
 
 # What QNN prints when it refuses a graph: the op it could not create, else its first error line.
 _QNN_OP_REFUSED = re.compile(r"could not create op: (\S+)")
+# QNN's op validation naming the HTP arch a parameter needs: "has incorrect Value 68, expected >= 73."
+_QNN_ARCH_TOO_OLD = re.compile(r"incorrect Value (?P<has>\d+), expected >= (?P<needs>\d+)")
 _QNN_ERROR = re.compile(r"\[ERROR\][^:]*:\s*(?:\S+\.cc:\d+::)?(?:ERROR:)?\s*(.+)")
 
 
@@ -450,8 +452,14 @@ def qnn_refusal_message(soc: Soc, native_text: str) -> str:
     ops = list(dict.fromkeys(_QNN_OP_REFUSED.findall(native_text)))
     errors = list(dict.fromkeys(m.strip() for m in _QNN_ERROR.findall(native_text)))
     said = f"it could not create {', '.join(ops[:3])}" if ops else (errors[0] if errors else "no reason printed")
-    return (f"QNN's HTP compiler refused a graph for {soc.value} ({said}). The graph uses an op the HTP has no kernel "
-            "for at this precision, and another --quant may compile. QNN's own output is above, and -v shows all of it. Please report it with that output.")
+    arch = _QNN_ARCH_TOO_OLD.search(" ".join(errors))
+    if arch and int(arch.group("has")) == soc.htp_arch:
+        why = (f"An op of the graph needs HTP v{arch.group('needs')} or newer at this precision, and {soc.value} is "
+               f"v{soc.htp_arch}: another --quant may compile (the README's SoC table says what each arch supports).")
+    else:
+        why = "The graph uses an op the HTP has no kernel for at this precision, and another --quant may compile."
+    return (f"QNN's HTP compiler refused a graph for {soc.value} ({said}). {why} QNN's own output is above, and -v "
+            "shows all of it. Please report it with that output.")
 
 
 def _edge_spec(*, fp16: bool, multiple: bool) -> list[CompileSpec]:
