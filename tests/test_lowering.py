@@ -328,8 +328,8 @@ def test_one_edge_conversion_serves_several_socs(qnn_sdk, attention, hybrid_inpu
     from optimum_qnn.exporter import lowering
 
     conversions = []
-    to_edge = lowering.to_edge
-    monkeypatch.setattr(lowering, "to_edge", lambda *a, **k: conversions.append(1) or to_edge(*a, **k))
+    for name in ("to_edge", "to_edge_in_parallel"):  # one method per process, or all in this one
+        monkeypatch.setattr(lowering, name, lambda *a, _f=getattr(lowering, name), **k: conversions.append(1) or _f(*a, **k))
     programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
     shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
 
@@ -542,3 +542,54 @@ def test_a_graph_qnn_will_not_compile_is_refused_with_what_qnn_said(qnn_sdk):
             continue
         with pytest.raises(QnnCompileError, match=r"refused a graph for SM8650 \(it could not create q::Minimum_u8"):
             lower_to_pte(program, Soc.SM8650, fp16=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="methods are converted side by side on Linux only")
+def test_methods_converted_side_by_side_make_the_program_one_process_makes(qnn_sdk, monkeypatch, caplog):
+    """`EdgeLowering` converts every method but the first in a forked child, which hands its edge program back
+    (`program_transfer`): the lowering then makes the program converting both methods here makes (a PT2E-quantized
+    pair: the QNN passes' encodings travel in the nodes' metadata), the child's weights come back as
+    this process's own tensors, not copies, and a child that fails or dies is an error here."""
+    from optimum_qnn.artifacts.inspection.pte import normalized_program
+    from optimum_qnn.exporter import edge as edge_module
+    from optimum_qnn.exporter.lowering import EdgeLowering
+
+    _, x, converted = _quantized_mlp(8)
+    methods = {"prefill_forward": (converted, (x,)), "kv_forward": (converted, (x * 2,))}
+
+    def lowering(parallel: bool) -> EdgeLowering:
+        monkeypatch.setattr(EdgeLowering, "parallel_edge", parallel)
+        made = EdgeLowering(methods, fp16=False, constant_methods={"get_ar_len": 4})
+        made.prepare()
+        return made
+
+    with caplog.at_level(logging.INFO, logger="optimum_qnn.progress"):
+        side_by_side = lowering(True)
+    steps = [r.getMessage() for r in caplog.records if r.name == "optimum_qnn.progress"]
+    assert any("handing kv_forward to the export's process" in s for s in steps), steps  # it came from a child
+    here = lowering(False)
+    storages = {t.untyped_storage().data_ptr() for _, t in converted.state_dict().items()}
+    storages |= {t.untyped_storage().data_ptr() for m in converted.modules() for t in vars(m).values()
+                 if isinstance(t, torch.Tensor)}
+    taken = side_by_side._edge.exported_program("kv_forward")
+    weights = [t for t in [*taken.state_dict.values(), *taken.constants.values()] if t.numel() > 1]
+    assert weights and all(t.untyped_storage().data_ptr() in storages for t in weights)
+    for name in methods:  # the same graphs, node for node, with the same metadata keys
+        a, b = (p._edge.exported_program(name).graph for p in (side_by_side, here))
+        assert [(n.name, str(n.target), sorted(n.meta)) for n in a.nodes] == [
+            (n.name, str(n.target), sorted(n.meta)) for n in b.nodes]
+    # Each SoC lowered in a forked child (keep=True): QNN's counters here stay put, so the programs compare.
+    assert normalized_program(side_by_side.lower(Soc.SM8650, weight_sharing=False).buffer) == normalized_program(
+        here.lower(Soc.SM8650, weight_sharing=False).buffer)
+
+    def fail(*args, **kwargs):
+        raise ValueError("refused in the child")
+
+    monkeypatch.setattr(EdgeLowering, "parallel_edge", True)
+    with monkeypatch.context() as m:
+        m.setattr(edge_module, "_convert_and_dump", fail)
+        with pytest.raises(ValueError, match="refused in the child"):
+            EdgeLowering(methods, fp16=False).prepare()
+        m.setattr(edge_module, "_convert_and_dump", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+        with pytest.raises(RuntimeError, match="edge conversion of kv_forward was killed by signal SIGKILL"):
+            EdgeLowering(methods, fp16=False).prepare()

@@ -43,8 +43,10 @@ def delegation_summary(edge: EdgeProgramManager) -> dict[str, MethodDelegation]:
     """Per method of a lowered edge program: QNN partitions, ops inside them, ops left on the CPU."""
     from executorch.exir.delegate import executorch_call_delegate
 
+    from optimum_qnn.exporter.edge import method_names
+
     summary = {}
-    for method in edge.methods:
+    for method in method_names(edge):  # in the methods' order: `edge.methods` is a set
         graph_module = edge.exported_program(method).graph_module
         partitions, delegated, on_cpu = 0, 0, Counter()
         for node in graph_module.graph.nodes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
@@ -137,6 +137,77 @@ def to_edge(
     return edge
 
 
+def to_edge_in_parallel(
+    sources: Mapping[str, Callable[[], torch.export.ExportedProgram]],
+    shared_tensors: Iterable[torch.Tensor],
+    spec: list[CompileSpec],
+    *,
+    constant_methods: Mapping[str, Any] | None,
+    **options: Any,
+) -> EdgeProgramManager:
+    """`to_edge` with the methods converted side by side: the first in this process, each other one in a forked
+    child that hands its edge program back through `optimum_qnn.exporter.program_transfer` (the weights it still
+    shares with this process as references, not copies). ExecuTorch converts one method after the other on one core,
+    and converting a method is independent of the others until they are lowered together.
+
+    Args:
+        sources: method name -> a function that makes its exported program (called in the process that converts it).
+        shared_tensors: every weight and constant tensor the sources hold (made before the children are forked).
+        spec, constant_methods, options: see `to_edge`.
+
+    Returns:
+        The same `EdgeProgramManager` `to_edge` makes of all the methods, in the order of ``sources``.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from executorch.exir.program._program import collect_named_data_store_from_exported_program
+
+    from optimum_qnn.exporter import program_transfer
+    from optimum_qnn.exporter.forked import Forked
+
+    names = list(sources)
+    shared = program_transfer.SharedTensors(shared_tensors)
+    children: dict[str, tuple[Forked, Path]] = {}
+    with tempfile.TemporaryDirectory(prefix="optimum-qnn-edge-") as folder:
+        try:
+            for name in names[1:]:
+                path = Path(folder) / f"{name}.program"
+                convert = functools.partial(_convert_and_dump, name, sources[name], spec, options, shared, path)
+                children[name] = Forked(convert, f"the edge conversion of {name}"), path
+            edge = to_edge({names[0]: sources[names[0]]()}, spec, constant_methods=constant_methods, **options)
+            programs = {names[0]: edge.exported_program(names[0])}
+            preserved = set(edge.compile_config._core_aten_ops_exception_list)
+            for name, (child, path) in children.items():
+                preserved |= {program_transfer.op_from_name(op) for op in child.result()}
+                report_step(f"taking {name} from its process")
+                with path.open("rb") as f:
+                    programs[name] = program_transfer.load(f, shared)
+                path.unlink()
+        except BaseException:
+            for child, _ in children.values():
+                child.cancel()
+            raise
+    # The manager `to_edge` would have made of every method, in the methods' order (the lowering keeps it).
+    edge._edge_programs = {name: programs[name] for name in names}
+    for name in names[1:]:
+        collect_named_data_store_from_exported_program(programs[name], edge._named_data_store)
+    edge.compile_config._core_aten_ops_exception_list = sorted(preserved, key=str)
+    return edge
+
+
+def _convert_and_dump(name, source, spec, options, shared, path) -> list[str]:
+    """In a child of `to_edge_in_parallel`: convert one method and write it to `path`; the ops its conversion kept
+    whole (by name: op overloads do not pickle)."""
+    from optimum_qnn.exporter import program_transfer
+
+    edge = to_edge({name: source()}, spec, constant_methods=None, **options)
+    report_step(f"handing {name} to the export's process")
+    with path.open("wb") as f:
+        program_transfer.dump(edge.exported_program(name), f, shared)
+    return [program_transfer.op_name(op) for op in edge.compile_config._core_aten_ops_exception_list]
+
+
 def lower_edge(
     edge: EdgeProgramManager, spec: list[CompileSpec], *, skip_ops: Collection[str], workers: int,
     budget_gb: float | None,
@@ -150,9 +221,12 @@ def lower_edge(
         _sanity_check_graph_for_non_decomp_ops,
     )
 
-    partitioners = {name: _reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name) for name in edge.methods}
+    # In the methods' own order: `EdgeProgramManager.methods` is a set, whose order changes with the interpreter's hash
+    # seed, and the partitioners' order is the order of the methods' graphs in each context binary.
+    methods = method_names(edge)
+    partitioners = {name: _reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name) for name in methods}
     with (
-        QnnManagerContext({name: spec for name in edge.methods}),
+        QnnManagerContext({name: spec for name in methods}),
         _preprocess_copies_share_weights(),
         parallel_shard_compiles(workers, budget_gb),
     ):
@@ -167,6 +241,11 @@ def lower_edge(
             generate_error=True,
         )
     return edge
+
+
+def method_names(edge: EdgeProgramManager) -> list[str]:
+    """The methods of ``edge`` in the order they were given (`EdgeProgramManager.methods` is a set)."""
+    return list(edge._edge_programs)
 
 
 def copy_sharing_tensors(edge: EdgeProgramManager) -> EdgeProgramManager:

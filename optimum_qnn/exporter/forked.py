@@ -26,7 +26,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from optimum_qnn.exporter import parallel_compile
 from optimum_qnn.progress import relayed_progress_loggers
@@ -46,8 +46,17 @@ def run_forked(fn: Callable[[], T], what: str) -> T:
         whatever ``fn`` raised (when it pickles; a RuntimeError with its traceback otherwise), or RuntimeError when
         the child died (a signal: SIGKILL is what the kernel sends when memory runs out).
     """
-    with tempfile.TemporaryDirectory(prefix="optimum-qnn-fork-") as folder:
-        result_path = Path(folder) / "result.pickle"
+    return Forked(fn, what).result()
+
+
+class Forked(Generic[T]):
+    """``fn()`` running in a forked child while this process goes on; `result()` waits for it (see `run_forked`).
+    A `Forked` that is never waited for is killed by `cancel()` (or with this process: `die_with_parent`)."""
+
+    def __init__(self, fn: Callable[[], T], what: str):
+        self.what = what
+        self._folder = tempfile.TemporaryDirectory(prefix="optimum-qnn-fork-")
+        self._result_path = Path(self._folder.name) / "result.pickle"
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -56,37 +65,56 @@ def run_forked(fn: Callable[[], T], what: str) -> T:
         if pid == 0:  # the child: never returns
             parallel_compile.die_with_parent(parent)
             os.close(read_fd)
-            _child(fn, result_path, write_fd)
+            _child(fn, self._result_path, write_fd)
         os.close(write_fd)
+        self.pid = pid
+        self._reaped = False
         parallel_compile._live[pid] = -1  # its private memory counts in the export's RSS figures
-        relay = threading.Thread(target=_relay_records, args=(read_fd,), daemon=True)
-        relay.start()
-        try:
-            _, status = os.waitpid(pid, 0)
-        except BaseException:
+        self._relay = threading.Thread(target=_relay_records, args=(read_fd,), daemon=True)
+        self._relay.start()
+
+    def cancel(self) -> None:
+        """Kill the child (if it still runs) and let go of its files."""
+        if not self._reaped:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+                os.waitpid(self.pid, 0)
+            self._reaped = True
+        self._done()
+
+    def _done(self) -> None:
+        parallel_compile._live.pop(self.pid, None)
+        parallel_compile._private_cache.pop(self.pid, None)
+        self._relay.join(timeout=5)
+        self._folder.cleanup()
+
+    def result(self) -> T:
+        """Wait for the child; its return value, or its exception raised here."""
+        what = self.what
+        try:
+            _, status = os.waitpid(self.pid, 0)
+            self._reaped = True
+        except BaseException:
+            self.cancel()
             raise
+        try:
+            if os.WIFSIGNALED(status):
+                number = os.WTERMSIG(status)
+                raise RuntimeError(
+                    f"{what[0].upper()}{what[1:]} was killed by signal {signal.Signals(number).name} in its process "
+                    f"{self.pid}" + (" (the kernel kills with SIGKILL when memory runs out: export fewer SoCs at once, "
+                                     "or use more shards)" if number == signal.SIGKILL else "")
+                )
+            if not self._result_path.exists():
+                raise RuntimeError(f"{what[0].upper()}{what[1:]} ended (exit code {os.WEXITSTATUS(status)}) without a result")
+            with self._result_path.open("rb") as f:
+                ok, value = pickle.load(f)
         finally:
-            parallel_compile._live.pop(pid, None)
-            parallel_compile._private_cache.pop(pid, None)
-            relay.join(timeout=5)
-        if os.WIFSIGNALED(status):
-            number = os.WTERMSIG(status)
-            raise RuntimeError(
-                f"{what[0].upper()}{what[1:]} was killed by signal {signal.Signals(number).name} in its process {pid}"
-                + (" (the kernel kills with SIGKILL when memory runs out: export fewer SoCs at once, or use more "
-                   "shards)" if number == signal.SIGKILL else "")
-            )
-        if not result_path.exists():
-            raise RuntimeError(f"{what[0].upper()}{what[1:]} ended (exit code {os.WEXITSTATUS(status)}) without a result")
-        with result_path.open("rb") as f:
-            ok, value = pickle.load(f)
-    if ok:
-        return value
-    raise value
+            self._done()
+        if ok:
+            return value
+        raise value
 
 
 def _child(fn: Callable[[], object], result_path: Path, write_fd: int) -> None:

@@ -41,6 +41,7 @@ from optimum_qnn.exporter.edge import (
     export_method,
     lower_edge,
     to_edge,
+    to_edge_in_parallel,
 )
 from optimum_qnn.exporter.memory import return_free_heap
 from optimum_qnn.native_output import quiet_native_output
@@ -218,6 +219,9 @@ class EdgeLowering:
         ValueError: no methods, a method name that clashes with a constant method, or a malformed op name.
     """
 
+    # Convert the methods to the edge dialect side by side, one process each (`to_edge_in_parallel`), where fork exists.
+    parallel_edge = True
+
     def __init__(
         self,
         programs: Mapping[str, MethodSource],
@@ -306,17 +310,29 @@ class EdgeLowering:
         freed = return_free_heap()  # what calibration, the fold or the last lowering freed but the heap kept
         logger.debug("Returned %.2f GB of free heap to the system before lowering", freed)
         with quiet_native_output() as native_log:
-            report_step("re-exporting the graphs")
-            exported = {
-                name: source if self._fresh else export_method(name, source) for name, source in self._programs.items()
-            }
-            self._programs = None
-            self._edge = to_edge(
-                exported, _edge_spec(fp16=self.fp16, multiple=len(exported) > 1),
-                constant_methods=self.constant_methods, skip_ops=self.skip_ops, int64_inputs=self.int64_inputs,
-                shard_starts=self.shard_starts, quantized_io=self.quantized_io,
-            )
+            spec = _edge_spec(fp16=self.fp16, multiple=len(self._programs) > 1)
+            options = dict(skip_ops=self.skip_ops, int64_inputs=self.int64_inputs, shard_starts=self.shard_starts,
+                           quantized_io=self.quantized_io)
+            if len(self._programs) > 1 and self.parallel_edge and fork_available():
+                # One method per process (ExecuTorch converts them one after the other, on one core).
+                sources = {name: functools.partial(self._export, name, source) for name, source in self._programs.items()}
+                tensors = [t for source in self._programs.values() for t in _source_tensors(source)]
+                self._programs = None
+                self._edge = to_edge_in_parallel(
+                    sources, tensors, spec, constant_methods=self.constant_methods, **options
+                )
+            else:
+                report_step("re-exporting the graphs")
+                exported = {name: self._export(name, source) for name, source in self._programs.items()}
+                self._programs = None
+                self._edge = to_edge(exported, spec, constant_methods=self.constant_methods, **options)
         logger.debug("Edge conversion output:\n%s", native_log.text)
+
+    def _export(self, name: str, source: MethodSource) -> torch.export.ExportedProgram:
+        if self._fresh:
+            return source
+        report_step(f"re-exporting {name}")
+        return export_method(name, source)
 
     def lower(
         self,
@@ -421,6 +437,17 @@ class EdgeLowering:
             del executorch_program
         logger.debug("QNN compiler output:\n%s", native_log.text)
         return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+
+
+def _source_tensors(source: MethodSource) -> list[torch.Tensor]:
+    """Every tensor a method's source holds: an exported program's weights and constants, a module's parameters,
+    buffers and plain tensor attributes (the constants of a `convert_pt2e` graph)."""
+    if isinstance(source, torch.export.ExportedProgram):
+        return [*source.state_dict.values(), *source.constants.values()]
+    module = source[0]
+    return [t for m in module.modules() for t in vars(m).get("_parameters", {}).values() if t is not None] + [
+        t for m in module.modules() for t in vars(m).get("_buffers", {}).values() if t is not None
+    ] + [t for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
 
 
 # What QNN prints when it refuses a graph: the op it could not create, else its first error line.
