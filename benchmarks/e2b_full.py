@@ -140,6 +140,7 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
             group.remove()
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
+    out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.log").write_text(log)
     found = list(_STAGE.finditer(log))
     memory = next((line for line in log.splitlines() if "Memory:" in line), "")
@@ -156,9 +157,11 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
         # What a failed run shows: where it stopped (the stages it finished) and how (-9 / 137: killed for memory).
         return {"failed": proc.returncode, **result, "log_tail": log[-1500:]}
     pte = next(out.rglob("model.pte"))
+    # /usr/bin/time's figures; under py-spy (--profile) its report can be missing from the log: None then.
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
+    cpu = re.search(r"Percent of CPU this job got: (\d+)%", log)
     result.update(
-        max_rss_gb=int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1)) / 2**20,
-        cpu_percent=int(re.search(r"Percent of CPU this job got: (\d+)%", log).group(1)),
+        max_rss_gb=int(rss.group(1)) / 2**20 if rss else None, cpu_percent=int(cpu.group(1)) if cpu else None,
         pte=str(pte), pte_gb=pte.stat().st_size / 2**30, components=components(pte),
     )
     return result
@@ -329,7 +332,8 @@ def main() -> int:
         return 1
     rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
     rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
-    rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {result['max_rss_gb']:.1f} |")
+    rss = "-" if result["max_rss_gb"] is None else f"{result['max_rss_gb']:.1f}"
+    rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {rss} |")
     print(f"\nMachine: {os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM. Exporter: {result['memory_line']}")
     print("\n".join(rows))
     print(f"\n.pte: {result['pte_gb']:.2f} GiB ({result['pte']})")

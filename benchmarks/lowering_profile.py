@@ -4,7 +4,8 @@
 every process of the export, the forked shard compiles included, idle threads left out). This script reads the
 collapsed stacks and attributes each sample to
 
-- the process: the export's own (``main``) or a forked shard compile (``worker``);
+- the process: the export's own (``main``), a forked shard compile (``worker``) or a method converted to the edge
+  dialect in its own process (``edge child``);
 - the exporter's stage: the outermost optimum_qnn function of a known stage (load, calibrate, lower, ...);
 - the step inside it: the outermost frame that is an ExecuTorch or QNN pass, partitioner, op builder or serializer
   (by file: ``_passes/``, ``exir/passes/``, ``partitioner``, ``builders/``, ``_emit``, ``serialize``...), else the
@@ -28,7 +29,7 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 STAGES = {
     "resolve_model_folder": "load", "preflight": "load", "load_text_model": "load", "from_hf": "swap",
     "_quantize": "quantize", "_evaluator": "evaluate", "lower_to_pte": "lower", "EdgeLowering.prepare": "edge",
-    "EdgeLowering.lower": "lower", "export_time_inspection": "inspect",
+    "EdgeLowering.lower": "lower", "_convert_and_dump": "edge", "export_time_inspection": "inspect",
     "write_variant": "write", "_compile_and_exit": "shard compile", "StaticCausalLM.export": "export",
     "_swap_embeddings_for_cpu": "swap", "upcast_in_graph": "swap", "write_model_card": "write",
 }
@@ -52,8 +53,12 @@ def attribute(stack: list[str]) -> tuple[str, str, str]:
     if frames and frames[-1][0].rpartition(".")[2] in WAITS:
         return "idle", "waiting", frames[-1][0]
     process = "main"
-    if frames and frames[0][0].startswith("process ") and "_compile_and_exit" in ";".join(f for f, _ in frames):
-        process = "worker"
+    if frames and frames[0][0].startswith("process "):
+        functions = ";".join(f for f, _ in frames)
+        if "_compile_and_exit" in functions:
+            process = "worker"
+        elif "_convert_and_dump" in functions:  # a method converted to the edge dialect in its own process
+            process = "edge child"
     stage, start = "other", 0
     for i, (func, file) in enumerate(frames):
         name = func if func in STAGES else func.rpartition(".")[2]  # py-spy names methods Class.method
