@@ -203,10 +203,12 @@ def test_cli_export_log_is_a_line_per_stage_step_and_shard(cli_16a8w_export):
     assert len(stages) >= 10 and len(memory) == 1, proc.stderr  # load ... edge, lower SM8650 ... write SM8650
     assert len(lines) == len(stages) + len(edge) + len(lowering) + len(memory), proc.stderr  # nothing else, no blank
     assert all(re.search(r" \[\d\d:\d\d, RSS \d+\.\d GB\]$", line) for line in edge + lowering), edge + lowering
-    # The SoC-independent steps, once: re-export, QNN's export passes, per method (2) edge dialect and edge passes;
-    # the end.
-    assert len(edge) <= 2 + 2 * 2 + 1, edge
+    # The SoC-independent steps, once, the two methods side by side (each in its own process, a step line from
+    # either): per method re-export, QNN's export passes, edge dialect and edge passes; the decode method handed
+    # over from its process and taken; the end.
+    assert len(edge) <= 2 * 4 + 2 + 1, edge
     assert any("converting prefill_forward to the edge dialect" in line for line in edge), edge
+    assert any("taking kv_forward from its process" in line for line in edge), edge
     # Per SoC: per method partitioning; the shards (2): the first one prepared and each one compiled; serialization;
     # the end.
     assert len(lowering) <= 2 + (1 + 2) + 1 + 1, lowering

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
@@ -20,6 +21,8 @@ from optimum_qnn.progress import report_step
 if TYPE_CHECKING:  # pragma: no cover
     from executorch.exir import EdgeProgramManager
     from executorch.exir.backend.compile_spec_schema import CompileSpec
+
+logger = logging.getLogger(__name__)
 
 # The static model's decoder layers are `layers.N` (optimum_qnn.models.gemma4.modules).
 _LAYER_PATTERN = r"layers\.(\d+)"
@@ -181,6 +184,7 @@ def to_edge_in_parallel(
             for name, (child, path) in children.items():
                 preserved |= {program_transfer.op_from_name(op) for op in child.result()}
                 report_step(f"taking {name} from its process")
+                logger.debug("%s's edge program: %.1f MB handed over", name, path.stat().st_size / 2**20)
                 with path.open("rb") as f:
                     programs[name] = program_transfer.load(f, shared)
                 path.unlink()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
@@ -53,7 +54,9 @@ def load(file: BinaryIO, shared: SharedTensors) -> torch.export.ExportedProgram:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with _loading(shared, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())):
+    with _loading(shared, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())), warnings.catch_warnings():
+        # torch 2.13 makes an unpickled LeafSpec through a constructor that warns of its own deprecation.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         state = pickle.load(file)
     return _program_from_state(state)
 
