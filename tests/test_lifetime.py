@@ -74,7 +74,12 @@ def test_load_and_drop_twenty_times_keeps_rss_flat(lifetimes, fp16_export):
     rss = lifetimes["rss_mb"]
     pte_mb = fp16_export.variants[0].joinpath("model.pte").stat().st_size / 2**20
     # A program (or its QNN context) kept per load would grow RSS by at least a .pte's size every time; the first
-    # loads warm up allocator pools, so the growth is read over the last 15 of the 20 loads (measured: +0.6 MB).
-    growth = rss[-1] - rss[4]
-    assert growth < pte_mb, f"RSS grew {growth:.1f} MB over 15 load/drop cycles (one .pte: {pte_mb:.1f} MB): {rss}"
+    # loads warm up allocator pools, so the growth is read over the last 15 of the 20 loads. The allocator also
+    # moves in steps unrelated to the loads (measured: +0.6 MB over 15 cycles in one run; +7.3 MB in another, whose
+    # RSS swung by 4.8 MB up and down between cycles and grew in two steps of 4.7 and 2.4 MB, with a median cycle of
+    # +0.01 MB): so each cycle is checked, and a kept program shows in every one of them.
+    steps = sorted(b - a for a, b in zip(rss[4:], rss[5:]))
+    median = steps[len(steps) // 2]
+    assert median < pte_mb / 10, f"RSS grew {median:.1f} MB in the median load/drop cycle (one .pte: {pte_mb:.1f} MB): {rss}"
+    assert rss[-1] - rss[4] < 3 * pte_mb, f"RSS grew {rss[-1] - rss[4]:.1f} MB over 15 cycles: {rss}"
     assert lifetimes["live_after_loop"] == 0
