@@ -44,6 +44,7 @@ from optimum_qnn.exporter.edge import (
     to_edge_in_parallel,
 )
 from optimum_qnn.exporter.memory import return_free_heap
+from optimum_qnn.exporter.program_transfer import SharedTensors
 from optimum_qnn.native_output import quiet_native_output
 from optimum_qnn.exporter.forked import run_forked
 from optimum_qnn.exporter.parallel_compile import default_workers, fork_available
@@ -322,7 +323,7 @@ class EdgeLowering:
             if len(self._programs) > 1 and self.parallel_edge and fork_available():
                 # One method per process (ExecuTorch converts them one after the other, on one core).
                 sources = {name: functools.partial(self._export, name, source) for name, source in self._programs.items()}
-                tensors = [t for source in self._programs.values() for t in _source_tensors(source)]
+                tensors = [t for source in self._programs.values() for t in SharedTensors.tensors_of(source)]
                 self._programs = None
                 self._edge = to_edge_in_parallel(
                     sources, tensors, spec, constant_methods=self.constant_methods, **options
@@ -443,17 +444,6 @@ class EdgeLowering:
             del executorch_program
         logger.debug("QNN compiler output:\n%s", native_log.text)
         return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
-
-
-def _source_tensors(source: MethodSource) -> list[torch.Tensor]:
-    """Every tensor a method's source holds: an exported program's weights and constants, a module's parameters,
-    buffers and plain tensor attributes (the constants of a `convert_pt2e` graph)."""
-    if isinstance(source, torch.export.ExportedProgram):
-        return [*source.state_dict.values(), *source.constants.values()]
-    module = source[0]
-    return [t for m in module.modules() for t in vars(m).get("_parameters", {}).values() if t is not None] + [
-        t for m in module.modules() for t in vars(m).get("_buffers", {}).values() if t is not None
-    ] + [t for m in module.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
 
 
 # What QNN prints when it refuses a graph: the op it could not create, else its first error line.

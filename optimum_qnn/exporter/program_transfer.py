@@ -16,7 +16,6 @@ in the export's own process, the others in forked children (ExecuTorch's edge pa
 from __future__ import annotations
 
 import contextlib
-import io
 import pickle
 import warnings
 from collections.abc import Iterable, Iterator
@@ -39,9 +38,19 @@ class SharedTensors:
                 if storage.nbytes():
                     self.by_storage.setdefault(storage.data_ptr(), t)
 
-    @classmethod
-    def of_programs(cls, programs: Iterable[torch.export.ExportedProgram]) -> "SharedTensors":
-        return cls(t for p in programs for t in [*p.state_dict.values(), *p.constants.values()])
+    @staticmethod
+    def tensors_of(source: Any) -> list[torch.Tensor]:
+        """Every tensor a method's source holds: an exported program's weights and constants, or a module's (of
+        ``(module, example_inputs)``) parameters, buffers and plain tensor attributes (a `convert_pt2e` graph's
+        constants)."""
+        if isinstance(source, torch.export.ExportedProgram):
+            return [*source.state_dict.values(), *source.constants.values()]
+        tensors = []
+        for m in source[0].modules():
+            tensors += [t for t in vars(m).get("_parameters", {}).values() if t is not None]
+            tensors += [t for t in vars(m).get("_buffers", {}).values() if t is not None]
+            tensors += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
+        return tensors
 
 
 def dump(program: torch.export.ExportedProgram, file: BinaryIO, shared: SharedTensors) -> None:
@@ -59,15 +68,6 @@ def load(file: BinaryIO, shared: SharedTensors) -> torch.export.ExportedProgram:
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         state = pickle.load(file)
     return _program_from_state(state)
-
-
-def round_trip(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """`load(dump(program))` in one process (what tests compare against the program itself)."""
-    shared = SharedTensors.of_programs([program])
-    buffer = io.BytesIO()
-    dump(program, buffer, shared)
-    buffer.seek(0)
-    return load(buffer, shared)
 
 
 def op_name(op: Any) -> tuple[str, str, str | None]:
