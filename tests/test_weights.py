@@ -227,3 +227,45 @@ def test_embedding_tables_move_to_a_file_mapping_with_the_same_values(tmp_path):
     assert anon - _rss_anon_kb() > 90 * 1024  # kB: the tables' anonymous pages were freed
     for table, rows in zip(tables, before):
         assert torch.equal(table(ids), rows)
+
+
+def test_quantized_constants_move_to_a_file_mapping_and_stay_shared(tmp_path):
+    """map_constants_to_file: the graphs compute the same, a tensor two graphs shared is still one tensor, the moved
+    bytes leave anonymous memory, the file is gone at once; what is mapped already, or too small, is not moved, and
+    a file that cannot be written leaves everything where it was."""
+    from optimum_qnn.quantization.folding import map_constants_to_file, tensor_attributes
+
+    class Head(torch.nn.Module):
+        def __init__(self, weight, scale):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.register_buffer("scale", scale)
+            self.register_buffer("small", torch.ones(8))
+
+        def forward(self, x):
+            return (x @ self.weight.float().t()) * self.scale + self.small.sum()
+
+    torch.manual_seed(0)
+    weight = torch.randint(-8, 8, (4096, 16384), dtype=torch.int8)  # 64 MiB: above malloc's largest heap threshold
+    graphs = [torch.fx.symbolic_trace(Head(weight, torch.rand(4096))) for _ in range(2)]
+    graphs[1].weight = graphs[0].weight  # shared, as share_equal_constants leaves the prefill and decode weights
+    x = torch.randn(3, 16384)
+    before = [g(x) for g in graphs]
+    assert map_constants_to_file(graphs, tmp_path / "missing" / "w") == 0  # no such folder: left alone
+    assert graphs[0].weight.data_ptr() == weight.data_ptr()
+    weight_bytes = weight.nbytes
+    small = {name: t.data_ptr() for name, t in tensor_attributes(graphs[0]) if t.nbytes < 1024}
+    assert small
+    del weight
+    anon = _rss_anon_kb()
+    moved = map_constants_to_file(graphs, tmp_path / "w")
+    assert moved == weight_bytes  # the weight, once; the scales (16 KiB) and the 32-byte constants are under 1 MiB
+    assert not list(tmp_path.iterdir())
+    assert anon - _rss_anon_kb() > 60 * 1024  # kB: the weight's anonymous pages were freed
+    assert graphs[1].weight is graphs[0].weight and isinstance(graphs[0].weight, torch.nn.Parameter)
+    assert map_constants_to_file(graphs, tmp_path / "scales", min_bytes=1024) == 2 * 4096 * 4
+    assert graphs[0].scale.data_ptr() != graphs[1].scale.data_ptr()  # two tensors before, two after
+    assert {name: t.data_ptr() for name, t in tensor_attributes(graphs[0]) if t.nbytes < 1024} == small
+    for graph, out in zip(graphs, before):
+        assert torch.equal(graph(x), out)
+    assert map_constants_to_file(graphs, tmp_path / "again") == 0  # all in a file mapping now: nothing to move

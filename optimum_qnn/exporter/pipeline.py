@@ -305,6 +305,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         del programs
         if evaluate is None:
             _release_float_weights(static.module, graphs.values())
+        if output is not None:
+            _map_weights_to_file(graphs.values(), output)
         del graphs  # the lowering holds them (`sources`) until its SoC-independent part is done
     else:
         sources = programs
@@ -424,6 +426,18 @@ def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig, outpu
         return
     moved = map_tables_to_file(lookups, staging_path(output, ".tables"))
     logger.info("Embedding tables mapped from a file: %.0f MB out of anonymous memory", moved / 2**20)
+
+
+def _map_weights_to_file(graphs, output: Path) -> None:
+    """The quantized weights leave anonymous memory for a file mapping on the output's file system until the
+    lowering is done (`folding.map_constants_to_file`)."""
+    from optimum_qnn.quantization.folding import map_constants_to_file
+
+    started = time.monotonic()
+    moved = map_constants_to_file(graphs, staging_path(output, ".weights"))
+    if moved:
+        logger.info("Quantized weights mapped from a file: %.0f MB out of anonymous memory in %.1f s",
+                    moved / 2**20, time.monotonic() - started)
 
 
 def _release_float_weights(module: torch.nn.Module, graphs) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from optimum_qnn.config import EmbeddingQuant
-from optimum_qnn.quantization.weights import release_pages
+from optimum_qnn.quantization.weights import map_to_file, release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -155,38 +155,26 @@ class QuantizedEmbedding(nn.Module):
 
 
 def map_tables_to_file(modules, path) -> int:
-    """Move the tables of ``modules`` (`QuantizedEmbedding`s) out of anonymous memory into a file mapping.
+    """Move the tables of ``modules`` (`QuantizedEmbedding`s) out of anonymous memory into a file mapping
+    (`weights.map_to_file`, at ``path`` on the export's own file system).
 
-    The tables are written to ``path`` (safetensors, on the export's own file system: never a RAM-backed /tmp),
-    mapped back, and the file is deleted at once (the mapping keeps its blocks until the tables are freed). The values
-    are the same; only where they live changes: pages the kernel can drop and read again, instead of memory that
-    counts against the export for its whole length. The export touches a table when it calibrates (the looked-up
-    rows) and when it writes the program. Gemma-4-E4B's quantized tables are 1.8 GiB; its lowering's first compile
-    was killed for memory in a 16 GB cgroup while the main process held them. Returns the bytes moved; 0, with the
-    tables left where they were, if the file cannot be written (a full disk, say)."""
-    from pathlib import Path
-
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
-
-    path = Path(path)
+    The export touches a table when it calibrates (the looked-up rows) and when it writes the program. Gemma-4-E4B's
+    quantized tables are 1.8 GiB; its lowering's first compile was killed for memory in a 16 GB cgroup while the main
+    process held them. Returns the bytes moved; 0, with the tables left where they were, if the file cannot be
+    written (a full disk, say)."""
     owners = {}
     for i, module in enumerate(modules):
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.numel():
-                owners[f"{i}.{name}"] = (module, name, buffer)
+                owners[f"{i}.{name}"] = (module, name, buffer.contiguous())
     if not owners:
         return 0
     try:
-        save_file({key: buffer.contiguous() for key, (_, _, buffer) in owners.items()}, str(path))
-        with safe_open(str(path), framework="pt") as f:
-            mapped = {key: f.get_tensor(key) for key in owners}
-    except (OSError, SafetensorError) as error:
+        mapped = map_to_file({key: buffer for key, (_, _, buffer) in owners.items()}, path)
+    except OSError as error:
         # the text only: a record holding the error would keep its traceback, and with it the tables, alive
         logger.warning("The embedding tables stay in memory: writing them to %s failed (%s)", path, str(error))
         return 0
-    finally:
-        path.unlink(missing_ok=True)
     for key, (module, name, _) in owners.items():
         module._buffers[name] = mapped[key]
     return sum(t.nbytes for t in mapped.values())

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,69 @@ def release_pages(tensor: torch.Tensor) -> bool:
         return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT) == 0
     except (OSError, AttributeError):  # no madvise (not Linux): the pages stay, nothing else changes
         return False
+
+
+def _file_backed_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's file-backed mappings (Linux /proc/self/maps; empty elsewhere)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) >= 5 and fields[4] != "0":  # an inode: a file's pages, which the kernel can drop
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        pass
+    return ranges
+
+
+def anonymous_tensors(tensors: Mapping[str, torch.Tensor], min_bytes: int = 0) -> dict[str, torch.Tensor]:
+    """Those of ``tensors`` (of at least ``min_bytes``) whose data is in anonymous memory and alone in its storage:
+    what `map_to_file` can move. A tensor in a file mapping already (a checkpoint's pages, a table mapped before)
+    or a view into a larger storage is left out."""
+    ranges = _file_backed_ranges()
+    out = {}
+    for key, tensor in tensors.items():
+        if tensor.nbytes < max(min_bytes, 1) or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            continue
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            continue
+        if any(start <= tensor.data_ptr() < end for start, end in ranges):
+            continue
+        out[key] = tensor
+    return out
+
+
+def map_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """The same values as ``tensors``, in a private mapping of a file written at ``path`` and deleted at once.
+
+    Where they live changes, not what they hold: pages the kernel can drop and read again from the file (its blocks
+    stay until the mapping goes with the last tensor that views it) instead of anonymous memory that counts against
+    the export for as long as the tensors live. The mapping is private and writable, so a tensor written in place
+    copies the page it writes and the file is never changed. ``path`` must be on a disk's file system (never a
+    RAM-backed /tmp): the export's own output folder. Raises OSError when the file cannot be written (nothing is
+    left then)."""
+    import mmap
+
+    path = Path(path)
+    offsets = {}
+    try:
+        with open(path, "wb") as file:
+            for key, tensor in tensors.items():
+                file.write(b"\0" * (-file.tell() % 64))  # aligned for every element type
+                offsets[key] = file.tell()
+                file.write(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
+            size = file.tell()
+        if not size:
+            return {}
+        with open(path, "r+b") as file:
+            mapping = mmap.mmap(file.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        path.unlink(missing_ok=True)
+    # each tensor keeps the mapping alive; the last one to go unmaps it
+    return {key: torch.frombuffer(mapping, dtype=t.dtype, count=t.numel(), offset=offsets[key]).view(t.shape)
+            for key, t in tensors.items()}
 
 
 class UpcastLinear(nn.Module):
