@@ -372,7 +372,7 @@ def test_a_kept_lowering_runs_in_a_child_and_makes_what_this_process_would(qnn_s
 
     children = []
     run_forked = lowering.run_forked
-    monkeypatch.setattr(lowering, "run_forked", lambda fn, what: children.append(what) or run_forked(fn, what))
+    monkeypatch.setattr(lowering, "run_forked", lambda fn, what, hint="": children.append(what) or run_forked(fn, what, hint))
     programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
     shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
     with caplog.at_level(logging.INFO, logger="optimum_qnn.progress"):
@@ -390,7 +390,7 @@ def test_a_kept_lowering_runs_in_a_child_and_makes_what_this_process_would(qnn_s
         with pytest.raises(InvalidInputError, match="refused in the child"):
             shared.lower(Soc.SM8750, weight_sharing=False)
         m.setattr(lowering, "lower_edge", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
-        with pytest.raises(RuntimeError, match="killed by signal SIGKILL"):
+        with pytest.raises(RuntimeError, match="killed by signal SIGKILL .*: export fewer SoCs at once"):
             shared.lower(Soc.SM8750, weight_sharing=False)
     assert not forked.parallel_compile._live  # no child left registered with the memory sampler
     here = shared.lower(Soc.SM8750, weight_sharing=False, keep=False)
@@ -591,5 +591,7 @@ def test_methods_converted_side_by_side_make_the_program_one_process_makes(qnn_s
         with pytest.raises(ValueError, match="refused in the child"):
             EdgeLowering(methods, fp16=False).prepare()
         m.setattr(edge_module, "_convert_and_dump", lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
-        with pytest.raises(RuntimeError, match="edge conversion of kv_forward was killed by signal SIGKILL"):
+        with pytest.raises(RuntimeError, match="edge conversion of kv_forward was killed by signal SIGKILL") as killed:
             EdgeLowering(methods, fp16=False).prepare()
+        # the advice fits the work that was killed: convert one method at a time, not fewer SoCs
+        assert "OPTIMUM_QNN_EDGE_SIDE_BY_SIDE=0" in str(killed.value) and "SoCs" not in str(killed.value)

@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from executorch.exir.backend.compile_spec_schema import CompileSpec
 
 logger = logging.getLogger(__name__)
+# Set to 0, the methods are converted to the edge dialect one after the other (`EdgeLowering.parallel_edge`).
+EDGE_SIDE_BY_SIDE_VARIABLE = "OPTIMUM_QNN_EDGE_SIDE_BY_SIDE"
 
 # The static model's decoder layers are `layers.N` (optimum_qnn.models.gemma4.modules).
 _LAYER_PATTERN = r"layers\.(\d+)"
@@ -177,7 +179,10 @@ def to_edge_in_parallel(
             for name in names[1:]:
                 path = Path(folder) / f"{name}.program"
                 convert = functools.partial(_convert_and_dump, name, sources[name], spec, options, shared, path)
-                children[name] = Forked(convert, f"the edge conversion of {name}"), path
+                children[name] = Forked(
+                    convert, f"the edge conversion of {name}",
+                    f"run with {EDGE_SIDE_BY_SIDE_VARIABLE}=0 to convert the methods one after the other, in less memory",
+                ), path
             edge = to_edge({names[0]: sources[names[0]]()}, spec, constant_methods=constant_methods, **options)
             programs = {names[0]: edge.exported_program(names[0])}
             preserved = set(edge.compile_config._core_aten_ops_exception_list)

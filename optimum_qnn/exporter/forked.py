@@ -35,26 +35,28 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def run_forked(fn: Callable[[], T], what: str) -> T:
+def run_forked(fn: Callable[[], T], what: str, memory_hint: str = "") -> T:
     """``fn()`` in a forked child; its return value (pickled through a file), or its exception raised here.
 
     Args:
         fn: what the child runs; its result must pickle.
         what: names the work in errors, e.g. "the lowering for SM8650".
+        memory_hint: what to do when the kernel killed the child for memory (SIGKILL), e.g. "export fewer SoCs at
+            once"; the message then says it.
 
     Raises:
         whatever ``fn`` raised (when it pickles; a RuntimeError with its traceback otherwise), or RuntimeError when
         the child died (a signal: SIGKILL is what the kernel sends when memory runs out).
     """
-    return Forked(fn, what).result()
+    return Forked(fn, what, memory_hint).result()
 
 
 class Forked(Generic[T]):
     """``fn()`` running in a forked child while this process goes on; `result()` waits for it (see `run_forked`).
     A `Forked` that is never waited for is killed by `cancel()` (or with this process: `die_with_parent`)."""
 
-    def __init__(self, fn: Callable[[], T], what: str):
-        self.what = what
+    def __init__(self, fn: Callable[[], T], what: str, memory_hint: str = ""):
+        self.what, self.memory_hint = what, memory_hint
         self._folder = tempfile.TemporaryDirectory(prefix="optimum-qnn-fork-")
         self._result_path = Path(self._folder.name) / "result.pickle"
         read_fd, write_fd = os.pipe()
@@ -103,8 +105,9 @@ class Forked(Generic[T]):
                 number = os.WTERMSIG(status)
                 raise RuntimeError(
                     f"{what[0].upper()}{what[1:]} was killed by signal {signal.Signals(number).name} in its process "
-                    f"{self.pid}" + (" (the kernel kills with SIGKILL when memory runs out: export fewer SoCs at once, "
-                                     "or use more shards)" if number == signal.SIGKILL else "")
+                    f"{self.pid}" + (" (the kernel kills with SIGKILL when memory runs out" +
+                                     (f": {self.memory_hint})" if self.memory_hint else ")")
+                                     if number == signal.SIGKILL else "")
                 )
             if not self._result_path.exists():
                 raise RuntimeError(f"{what[0].upper()}{what[1:]} ended (exit code {os.WEXITSTATUS(status)}) without a result")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 import shutil
 from collections.abc import Collection, Iterator, Mapping
@@ -35,6 +36,7 @@ from optimum_qnn.config import Soc
 from optimum_qnn.errors import QnnCompileError
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
 from optimum_qnn.exporter.edge import (
+    EDGE_SIDE_BY_SIDE_VARIABLE,
     SHARD_OP,
     MethodSource,
     copy_sharing_tensors,
@@ -224,8 +226,9 @@ class EdgeLowering:
         ValueError: no methods, a method name that clashes with a constant method, or a malformed op name.
     """
 
-    # Convert the methods to the edge dialect side by side, one process each (`to_edge_in_parallel`), where fork exists.
-    parallel_edge = True
+    # Convert the methods to the edge dialect side by side, one process each (`to_edge_in_parallel`), where fork exists;
+    # OPTIMUM_QNN_EDGE_SIDE_BY_SIDE=0 converts them one after the other (in the memory of one conversion).
+    parallel_edge = os.environ.get(EDGE_SIDE_BY_SIDE_VARIABLE, "1") != "0"
 
     def __init__(
         self,
@@ -404,7 +407,7 @@ class EdgeLowering:
                     self.lower, soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
                     memory_budget_gb=memory_budget_gb, path=path, keep=False,
                 ),
-                f"the lowering for {soc.value}",
+                f"the lowering for {soc.value}", "export fewer SoCs at once, or use more shards",
             )
         logger.info("Lowering %s to QNN for %s (%s)", ", ".join(self.methods), soc.value, "fp16" if self.fp16 else "quantized")
         if keep:

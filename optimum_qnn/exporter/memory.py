@@ -4,32 +4,44 @@ An export that does not fit is killed by the kernel, at Gemma-4-E2B's size after
 the exporter choose the fewest lowering shards that fit the memory it has (`choose_memory_plan`), and refuse in a
 second, with the figure and the fix, when nothing fits.
 
-How it is computed: the parameters of each part of the model (token table, per-layer embedding table, decoder
-layers) are counted on a meta-device model built from the config (no weights), and each stage's peak RSS is a
-linear function of their stored bytes, fitted to the exports measured on this project's 2-core, 24 GB machine with
-the current pipeline (bf16 weights kept in the checkpoint's pages and handed back as each is quantized,
-`optimum_qnn.quantization.weights`; block weights quantized in row chunks, once for both graphs; shard compiles in worker
-processes, whose private memory the lowering's figure includes; the program streamed to a file, and inspected
-through a mapping):
+What it estimates: the anonymous memory of the export (its RSS less file-backed pages, plus the private memory of
+its compile workers), the part the kernel cannot take back. The rest of its RSS is file pages it reads through a
+mapping and the kernel drops under pressure and reads again: the checkpoint's bf16 matrices (calibration reads
+every one), the quantized embedding tables and, from the quantize stage on, the quantized HTP weights (both moved
+to a file mapping on the output's file system: `weights.map_to_file`), and the .pte being inspected. Measured on
+the full-size Gemma-4-E4B in a 16 GB memory cgroup (ac3395b): the calibrate stage's RSS reached 14.2 GB with 5.1 GB
+anonymous, and the export completed with the cgroup at its limit, the kernel reclaiming page cache. A budget is
+compared with this estimate; the margin it is taken with (10 %, at least 1 GB) leaves room for the file pages a
+stage is using at the moment (one layer's bf16 weights, one shard's quantized weights).
 
-- demo Gemma4 (examples/tiny_gemma4.py, hybrid, context 128; benchmarks/rows.json, "schemes"): the load stage is
-  the process with torch, transformers and ExecuTorch imported (`_BASE`, the fp16 row's load stage); the lowering
-  stage is that plus the QNN libraries and compiler on a graph of negligible size (`_LOWER_BASE`, taken from a 16a8w
-  row since re-measured; tests/test_memory.py checks the estimate against the rows as stored now);
-- benchmarks/memory_rows.json: Gemma-4-E2B widths at 2 and 7 layers in one shard per layer (benchmarks/e2b_width.py)
-  and the full-size Gemma-4-E2B in 4, 6, 7 and 35 shards (benchmarks/e2b_full.py, the published multimodal checkpoint), all
-  16a4w_block, hybrid, context 1024, prefill 128, 4-bit symmetric tables, measured on 2026-12-01, and the same with
-  no export flags in a 16 GB memory cgroup (6 shards chosen).
+How it is computed: the parameters of each part of the model (token table, per-layer embedding table, decoder
+layers) are counted on a meta-device model built from the config (no weights), and each stage's peak is a linear
+function of their stored bytes, fitted to exports measured on this project's 2-core, 24 GB machine with the current
+pipeline (bf16 weights kept in the checkpoint's pages and handed back as each is quantized,
+`optimum_qnn.quantization.weights`; block weights quantized in row chunks, once for both graphs; tables and
+quantized weights in file mappings; shard compiles in worker processes, whose private memory the lowering's figure
+includes; the program streamed to a file, and inspected through a mapping), all in benchmarks/memory_rows.json:
+
+- the demo Gemma4 (examples/tiny_gemma4.py, 16a8w, hybrid, context 128): the load stage is the process with torch,
+  transformers and ExecuTorch imported (`_BASE`); the lowering stage is that plus the QNN libraries and compiler on
+  a graph of negligible size (`_LOWER_BASE`);
+- Gemma-4-E2B widths at 2 and 7 layers in one shard per layer (benchmarks/e2b_width.py), the full-size Gemma-4-E2B
+  (benchmarks/e2b_full.py, the published multimodal checkpoint) in 3, 4 and 7 shards, and the full-size Gemma-4-E4B
+  (the same, `--model e4b`) in 7: 16a4w_block, hybrid, context 1024, prefill 128, 4-bit symmetric tables. The 7- and
+  3-shard E2B rows and the E4B row are what the exporter chose with no memory flags in a 16 GB memory cgroup, each
+  with the fit of the rows before it.
 
 Per stage, peak = `_BASE` + a x (token table GB at the stored dtype) + b x (everything else, GB stored), least
-squares through the E2B rows (benchmarks/memory_fit.py; the token table is the same in all of them, its coefficient
-carries the fixed costs of a 262144-word vocabulary: the lm_head's fp32 cast and its quantization, vocabulary-wide
-logits). The lowering stage is `_LOWER_BASE` + a resident term + what the QNN compilers hold for the shards they
-compile, `_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head); the
-full-size rows, 1 to 9 layers a shard, are what separates the two. The fit reproduces every one of these figures
-within `FIT_MAX_ERROR_GB`, and underestimates none by more than `FIT_ERROR_GB`, the margin the shard count is chosen
-with (tests/test_memory.py asserts both). A single shard compiles in the exporter's own process, and the stages
-after it keep what the compiler took (measured on an earlier pipeline).
+squares through the E2B and E4B rows (benchmarks/memory_fit.py; the token table is the same in all of them, its coefficient
+carries the fixed costs of a 262144-word vocabulary: the lm_head's quantization, vocabulary-wide logits). The
+lowering stage is `_LOWER_BASE` + a resident term + what the QNN compilers hold for the shards they compile,
+`_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head). The fit
+reproduces every one of these figures within `FIT_MAX_ERROR_GB`, and underestimates none by more than
+`FIT_ERROR_GB`, the margin the shard count is chosen with (tests/test_memory.py asserts both). A single shard
+compiles in the exporter's own process, and the stages after it keep what the compiler took (measured on an earlier
+pipeline). Before it joined, the fit of the rows before it estimated E4B's lowering at 13.4 GB and its quantize
+stage at 7.2 (measured 13.7 and 8.1), and E2B's 3-shard lowering at 12.5 (measured 13.0; benchmarks/RESULTS.md):
+the rows reach other widths and larger shards only by extrapolation, and each new measured export joins them.
 
 What the rows did not vary is computed, not measured: weights wider than 4 bits add their extra bytes per HTP
 parameter, float or 8-bit embedding tables theirs, and `--evaluate` keeps the float32 Hugging Face model resident.
@@ -49,35 +61,35 @@ from optimum_qnn.errors import InvalidInputError
 
 GB_BYTES = 2**30
 
-# The fit described in the module docstring (GB; coefficients in GB per GB of stored weights).
-_BASE = 0.46  # demo Gemma4, fp16 row's load stage: 473 MiB
-_LOWER_BASE = 0.98  # demo Gemma4 16a8w, lower stage when the fit was made: 1001 MiB (905 MiB in the row stored now)
+# The fit described in the module docstring (GB of anonymous memory; coefficients in GB per GB of stored weights).
+_BASE = 0.28  # the demo row's load stage: 285 MiB anonymous (443 MiB RSS)
+_LOWER_BASE = 0.63  # the demo row's lower stage: 642 MiB anonymous (872 MiB RSS)
 # stage: (per GB of token table, per GB of the rest), both at the stored dtype; least squares over the E2B rows of
 # benchmarks/memory_rows.json (benchmarks/memory_fit.py)
 _STAGE_FIT = {
     "load": (0.0, 0.0),  # the checkpoint is mapped, not read: the base process
-    "swap": (0.684, 0.169),
-    "export": (0.400, 0.167),
-    "calibrate": (3.833, 0.742),
-    "quantize": (5.392, 0.590),
+    "swap": (0.741, 0.134),
+    "export": (0.229, 0.007),
+    "calibrate": (2.635, 0.129),
+    "quantize": (1.148, 0.466),
     "lower": (0.0, 0.0),  # computed below from `_LOWER_RESIDENT` and `_SHARD_BYTES_PER_PARAM`
-    "inspect": (2.379, 0.997),
-    "write": (1.988, 0.850),
+    "inspect": (0.968, 0.458),
+    "write": (0.943, 0.351),
 }
-# The lowering: resident state (quantized weights, CPU tables, the context binaries compiled so far) per GB of stored
-# weights, plus the compilers' working set per parameter of the largest shard; fitted the same way above
-# `_LOWER_BASE`.
-_LOWER_RESIDENT = 0.615
-_SHARD_BYTES_PER_PARAM = 10.561
+# The lowering: resident state (what the passes and the context binaries compiled so far hold; the weights are in a
+# file mapping) per GB of stored weights, plus the compilers' working set per parameter of the largest shard; fitted
+# the same way above `_LOWER_BASE`.
+_LOWER_RESIDENT = 0.108
+_SHARD_BYTES_PER_PARAM = 10.101
 # The measured rows quantized HTP weights to 4 bits and the embedding tables to 4 bits, symmetric, groups of 32.
 _MEASURED_WEIGHT_BITS = 4
 _MEASURED_TABLE_BYTES = 4 / 8 + 2 / 32  # 4-bit symmetric in groups of 32, an fp16 scale per group
 # Held back from MemAvailable when the user gives no --max-memory: other processes grow, and the estimate is a fit.
 MARGIN_FRACTION, MIN_MARGIN_GB = 0.10, 1.0
 # The shard count is chosen with this much room under the budget: the fit's largest underestimate of a measured stage
-# (benchmarks/memory_fit.py: 0.27 GB).
-FIT_ERROR_GB = 0.3  # the largest underestimate of a measured stage, rounded up: the margin a shard choice keeps
-FIT_MAX_ERROR_GB = 0.35  # the largest error either way (an overestimate only costs a shard more)
+# (benchmarks/memory_fit.py: 0.50 GB, Gemma-4-E4B's quantize stage).
+FIT_ERROR_GB = 0.5  # the largest underestimate of a measured stage, rounded up: the margin a shard choice keeps
+FIT_MAX_ERROR_GB = 0.5  # the largest error either way (an overestimate only costs a shard more)
 
 _STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -320,12 +332,13 @@ class MemoryPlan:
         chosen = "chosen for" if self.auto else "given;"
         budget = f"budget {self.budget_gib:.1f} GB ({self.budget_source})" if self.budget_gib is not None else "no budget known"
         return (f"Memory: {est.shards} shard(s) {chosen} {budget}; estimated peak {est.peak:.1f} GB ({est.peak_stage}), "
-                f"lowering {est.lowering:.1f} GB (an estimate fitted to measured exports, not a measurement)")
+                f"lowering {est.lowering:.1f} GB (anonymous memory, which the kernel cannot reclaim; an estimate "
+                "fitted to measured exports, not a measurement)")
 
 
 def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluate: bool = False,
                        meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> MemoryPlan:
-    """The fewest shards whose estimated lowering peak fits the budget (``config.shards`` when the user gave one), or
+    """The fewest shards whose estimated peak fits the budget (``config.shards`` when the user gave one), or
     an `InvalidInputError` with the estimate and the fix when the export cannot fit.
 
     Fewest, because every shard is one more HTP graph call per token on the phone."""
@@ -340,10 +353,12 @@ def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluat
         plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)
     else:
         candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(1, num_layers + 1)]
-        fitting = ([c for c in candidates if budget is None or c.lowering + FIT_ERROR_GB <= budget]
-                   or [c for c in candidates if c.lowering <= budget])
+        # The whole export's peak, not the lowering's alone: with one shard the compile runs in this process, and
+        # the stages after it keep what the compiler took.
+        fitting = ([c for c in candidates if budget is None or c.peak + FIT_ERROR_GB <= budget]
+                   or [c for c in candidates if c.peak <= budget])
         # Nothing fits: the lowest estimate (the fewest shards among equals), for the refusal to quote.
-        best = fitting[0] if fitting else min(candidates, key=lambda c: (c.lowering, c.shards))
+        best = fitting[0] if fitting else min(candidates, key=lambda c: (c.peak, c.shards))
         plan = MemoryPlan(best, budget, source, auto=True)
     if budget is not None and plan.estimate.peak > budget:
         raise InvalidInputError(_refusal(plan, counts, config, evaluate, num_layers))
