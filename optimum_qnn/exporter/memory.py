@@ -32,16 +32,18 @@ includes; the program streamed to a file, and inspected through a mapping), all 
   with the fit of the rows before it.
 
 Per stage, peak = `_BASE` + a x (token table GB at the stored dtype) + b x (everything else, GB stored), least
-squares through the E2B and E4B rows (benchmarks/memory_fit.py; the token table is the same in all of them, its coefficient
-carries the fixed costs of a 262144-word vocabulary: the lm_head's quantization, vocabulary-wide logits). The
+squares through the E2B and E4B rows (benchmarks/memory_fit.py; the token table's coefficient carries the fixed costs of
+a 262144-word vocabulary, the lm_head's quantization and vocabulary-wide logits, and varies with the hidden width only
+between the E2B and E4B rows). The
 lowering stage is `_LOWER_BASE` + a resident term + what the QNN compilers hold for the shards they compile,
 `_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head). The fit
 reproduces every one of these figures within `FIT_MAX_ERROR_GB`, and underestimates none by more than
 `FIT_ERROR_GB`, the margin the shard count is chosen with (tests/test_memory.py asserts both). A single shard
 compiles in the exporter's own process, and the stages after it keep what the compiler took (measured on an earlier
-pipeline). Before it joined, the fit of the rows before it estimated E4B's lowering at 13.4 GB and its quantize
-stage at 7.2 (measured 13.7 and 8.1), and E2B's 3-shard lowering at 12.5 (measured 13.0; benchmarks/RESULTS.md):
-the rows reach other widths and larger shards only by extrapolation, and each new measured export joins them.
+pipeline). Before the E4B row joined, the fit of the rows before it estimated E4B's lowering at 13.4 GB and its
+quantize stage at 7.2 (measured 13.7 and 8.1); before the 3-shard E2B row joined, its lowering at 12.5 (measured
+13.0; benchmarks/RESULTS.md): the rows reach other widths and larger shards only by extrapolation, and each new
+measured export joins them.
 
 What the rows did not vary is computed, not measured: weights wider than 4 bits add their extra bytes per HTP
 parameter, float or 8-bit embedding tables theirs, and `--evaluate` keeps the float32 Hugging Face model resident.
