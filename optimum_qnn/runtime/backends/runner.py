@@ -276,7 +276,10 @@ class RunnerBackend:
             if proc.poll() is None:  # interrupted: closing our end ends the runner too
                 proc.kill()
                 proc.wait()
-        reader.join()
+            reader.join()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
         return returncode, streams, command
 
 
