@@ -31,7 +31,8 @@ STAGES = {
     "_quantize": "quantize", "_evaluator": "evaluate", "lower_to_pte": "lower", "EdgeLowering.prepare": "edge",
     "EdgeLowering.lower": "lower", "_convert_and_dump": "edge", "export_time_inspection": "inspect",
     "write_variant": "write", "_compile_and_exit": "shard compile", "StaticCausalLM.export": "export",
-    "_swap_embeddings_for_cpu": "swap", "upcast_in_graph": "swap", "write_model_card": "write",
+    "swap_embeddings_for_cpu": "swap", "upcast_in_graph": "swap", "write_model_card": "write",
+    "release_float_weights": "map", "map_weights_to_file": "map",
 }
 STEP_FILES = ("/_passes/", "/exir/passes/", "partition", "/builders/", "qnn_preprocess", "/exir/emit/", "serialize",
               "/exir/verification/", "memory_planning", "decomp", "/torch/_export/", "backend_api", "lowered_backend_module",

@@ -31,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from e2b_width import e2b_config, e4b_config  # noqa: E402
 
 from optimum_qnn.config import shard_starts  # noqa: E402
-from optimum_qnn.exporter.memory import _BASE, _LOWER_BASE, GB_BYTES, ParameterCounts  # noqa: E402
+from optimum_qnn.exporter.memory import _BASE, _LOWER_BASE, _STAGE_FIT, GB_BYTES, ParameterCounts  # noqa: E402
 
 ROWS_FILE = Path(__file__).parent / "memory_rows.json"
-FITTED_STAGES = ("swap", "export", "calibrate", "quantize", "inspect", "write")
-ESTIMATED_STAGES = ("load", "lower", *FITTED_STAGES)
+# the stages memory.py estimates, and among them those fitted per stage (load is the base, lower has its own form)
+ESTIMATED_STAGES = tuple(_STAGE_FIT)
+FITTED_STAGES = tuple(stage for stage in ESTIMATED_STAGES if stage not in ("load", "lower"))
 
 
 def counts_of(row: dict) -> ParameterCounts:
@@ -91,7 +92,7 @@ def stage_table(log: str) -> tuple[dict[str, float], dict[str, float]]:
     anon, rss = {}, {}
     for match in re.finditer(r"^(\w+)(?: SM\w+)?\s+[\d.]+\s+(\d+)\s+(\d+)\s*$", log, re.MULTILINE):
         name, rss_mb, anon_mb = match.group(1), float(match.group(2)), float(match.group(3))
-        if name in ESTIMATED_STAGES:  # not the edge stage, which the lowering's peak exceeds
+        if name in ESTIMATED_STAGES:  # not the edge and map stages, which the lowering's and quantize's exceed
             anon[name], rss[name] = round(anon_mb / 1024, 3), round(rss_mb / 1024, 3)
     if "lower" not in anon:
         raise SystemExit("no stage table with a lower stage in that log")

@@ -295,7 +295,7 @@ def test_recipe_beats_plain_16a4w_block_on_the_demo_model(demo_model_dir, qnn_sd
 
     from optimum_qnn.config import EmbeddingQuant, Soc
     from optimum_qnn.exporter.evaluation import sqnr_db
-    from optimum_qnn.exporter.pipeline import _lm_head_in_float32, _swap_embeddings_for_cpu
+    from optimum_qnn.exporter.residency import lm_head_in_float32, swap_embeddings_for_cpu
     from optimum_qnn.models.gemma4 import StaticCausalLM
     from optimum_qnn.models.gemma4.loading import load_text_model
     from optimum_qnn.exporter.preflight import load_tokenizer
@@ -313,8 +313,8 @@ def test_recipe_beats_plain_16a4w_block_on_the_demo_model(demo_model_dir, qnn_sd
     scores = {}
     for name, config in {"plain": base, "recipe": dataclasses.replace(base, **recipe_fields("16a4w_e2b"))}.items():
         static = StaticCausalLM.from_hf(hf, max_context_len=ctx, ar_len=prefill, quantized=True)
-        _swap_embeddings_for_cpu(static, config)
-        _lm_head_in_float32(static)
+        swap_embeddings_for_cpu(static, config)
+        lm_head_in_float32(static)
         programs = {m.name: static.export(m.name) for m in static.contract.methods}
         graphs, _, mixed = quantize_static(static, programs, config, tokenizer, paragraphs[:8])
         assert (mixed is None) == (name == "plain")

@@ -1,4 +1,4 @@
-"""The export pipeline: load -> swap -> torch.export -> quantize (calibrated) -> edge -> lower per SoC -> write.
+"""The export pipeline: load -> swap -> torch.export -> quantize (calibrated) -> map -> edge -> lower per SoC -> write.
 
 The model is loaded, swapped, exported and calibrated once, and its graphs are converted for QNN once (the `edge`
 stage: re-export, QNN's passes, ExecuTorch's edge conversion); only partitioning, compiling and serializing run per
@@ -32,6 +32,12 @@ from optimum_qnn.artifacts.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
 from optimum_qnn.exporter.parallel_compile import workers_private_mb
+from optimum_qnn.exporter.residency import (
+    lm_head_in_float32,
+    map_weights_to_file,
+    release_float_weights,
+    swap_embeddings_for_cpu,
+)
 from optimum_qnn.exporter.preflight import (
     check_arguments,
     check_overrides_match,
@@ -280,14 +286,14 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         )
         result.swap_summary = static.report.table()
         check_overrides_match(static.module, config)
-        _swap_embeddings_for_cpu(static, config, output)
+        swap_embeddings_for_cpu(static, config, output)
         if stored:
             from optimum_qnn.quantization.embedding import QuantizedEmbedding
             from optimum_qnn.quantization.weights import upcast_in_graph
 
             upcast_in_graph(static.module, keep=(QuantizedEmbedding,))
         else:
-            _lm_head_in_float32(static)
+            lm_head_in_float32(static)
         if evaluate is None:
             del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
     methods = [m.name for m in static.contract.methods]
@@ -303,10 +309,11 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             contract, quantized_io = integer_io(static.contract, graphs)
         sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
         del programs
-        if evaluate is None:
-            _release_float_weights(static.module, graphs.values())
-        if output is not None:
-            _map_weights_to_file(graphs.values(), output)
+        with _stage(result, "map"):  # where the quantized weights live until the lowering is done
+            if evaluate is None:
+                release_float_weights(static.module, graphs.values())
+            if output is not None:
+                map_weights_to_file(graphs.values(), output)
         del graphs  # the lowering holds them (`sources`) until its SoC-independent part is done
     else:
         sources = programs
@@ -408,70 +415,6 @@ def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max
 # Ops that stay on the CPU side of the .pte: the embedding lookups (the per-layer table is far too large for
 # the NPU; quantized lookups are CPU kernels anyway).
 _CPU_OPS = frozenset({"aten.embedding.default"})
-
-
-def _swap_embeddings_for_cpu(static: StaticCausalLM, config: ExportConfig, output: Path | None = None) -> None:
-    """Replace the token and per-layer embedding tables with CPU-side (weight-only quantized) lookups; with
-    ``output``, their tables then live in a file mapping on its file system (`embedding.map_tables_to_file`)."""
-    from optimum_qnn.quantization.embedding import QuantizedEmbedding, map_tables_to_file
-
-    text = static.module.model
-    names = ["embed_tokens"] + (["embed_tokens_per_layer"] if text.ple_dim else [])
-    lookups = []
-    for name in names:
-        hf_embedding = getattr(text, name)
-        lookups.append(QuantizedEmbedding.from_embedding(hf_embedding, config.embedding_quant))
-        setattr(text, name, ScaledLookup(lookups[-1], hf_embedding.scalar_embed_scale))
-    if output is None:
-        return
-    moved = map_tables_to_file(lookups, staging_path(output, ".tables"))
-    logger.info("Embedding tables mapped from a file: %.0f MB out of anonymous memory", moved / 2**20)
-
-
-def _map_weights_to_file(graphs, output: Path) -> None:
-    """The quantized weights leave anonymous memory for a file mapping on the output's file system until the
-    lowering is done (`folding.map_constants_to_file`)."""
-    from optimum_qnn.quantization.folding import map_constants_to_file
-
-    started = time.monotonic()
-    moved = map_constants_to_file(graphs, staging_path(output, ".weights"))
-    if moved:
-        logger.info("Quantized weights mapped from a file: %.0f MB out of anonymous memory in %.1f s",
-                    moved / 2**20, time.monotonic() - started)
-
-
-def _release_float_weights(module: torch.nn.Module, graphs) -> None:
-    """Empty the float weights that the quantized graphs no longer read (they hold quantized copies), so lowering
-    does not carry them: 7.4 GB of fp32 layer weights and 1.6 GB of lm_head for Gemma-4-E2B. The module cannot
-    run afterwards."""
-    from optimum_qnn.quantization.folding import tensor_attributes
-
-    used = {t.untyped_storage().data_ptr() for graph in graphs for _, t in tensor_attributes(graph)}
-    freed = 0
-    for p in module.parameters():
-        if p.numel() and p.untyped_storage().data_ptr() not in used:
-            freed += p.nbytes
-            p.data = torch.empty(0, dtype=p.dtype)
-    logger.info("Released %.0f MB of float weights before lowering", freed / 2**20)
-
-
-def _lm_head_in_float32(static: StaticCausalLM) -> None:
-    """The lm_head shares the token table, which may be loaded in its stored dtype: the HTP graph wants fp32."""
-    head = static.module.lm_head
-    if head.weight.dtype != torch.float32:
-        head.weight = torch.nn.Parameter(head.weight.detach().to(torch.float32), requires_grad=False)
-
-
-class ScaledLookup(torch.nn.Module):
-    """A CPU lookup followed by Gemma4's constant embedding scale (sqrt of the width)."""
-
-    def __init__(self, lookup: torch.nn.Module, scale: float):
-        super().__init__()
-        self.lookup = lookup
-        self.scale = scale
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lookup(ids) * self.scale
 
 
 def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, texts: list[str], result: ExportResult):

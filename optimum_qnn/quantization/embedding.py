@@ -6,15 +6,13 @@ The token and per-layer embedding tables never enter the HTP graph (Gemma4 E2B's
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch import nn
 
 from optimum_qnn.config import EmbeddingQuant
-from optimum_qnn.quantization.weights import map_to_file, release_pages
+from optimum_qnn.quantization.weights import release_pages, try_map_to_file
 
-logger = logging.getLogger(__name__)
 
 
 def register_quantized_embedding_ops() -> None:
@@ -169,12 +167,13 @@ def map_tables_to_file(modules, path) -> int:
                 owners[f"{i}.{name}"] = (module, name, buffer.contiguous())
     if not owners:
         return 0
-    try:
-        mapped = map_to_file({key: buffer for key, (_, _, buffer) in owners.items()}, path)
-    except OSError as error:
-        # the text only: a record holding the error would keep its traceback, and with it the tables, alive
-        logger.warning("The embedding tables stay in memory: writing them to %s failed (%s)", path, str(error))
+    mapped = try_map_to_file({key: buffer for key, (_, _, buffer) in owners.items()}, path, "The embedding tables")
+    if mapped is None:
         return 0
     for key, (module, name, _) in owners.items():
         module._buffers[name] = mapped[key]
+    del owners
+    from optimum_qnn.exporter.memory import return_free_heap
+
+    return_free_heap()  # glibc keeps freed blocks under its mmap threshold (up to 32 MB) in its heap: give them back
     return sum(t.nbytes for t in mapped.values())

@@ -7,16 +7,14 @@ module); `quantization.quantize_shared` then shares equal constants between them
 from __future__ import annotations
 
 import gc
-import logging
 import operator
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from optimum_qnn.quantization.weights import anonymous_tensors, map_to_file, release_pages
+from optimum_qnn.quantization.weights import anonymous_tensors, release_pages, try_map_to_file
 
-logger = logging.getLogger(__name__)
 
 # Dtype casts a weight may pass through between its get_attr and its quantize op (bf16 weights kept in the checkpoint's
 # pages are cast to the activation dtype in the graph).
@@ -246,10 +244,8 @@ def map_constants_to_file(graphs, path, min_bytes: int = 1 << 20) -> int:
     movable = anonymous_tensors({str(key): tensor for key, tensor in unique.items()}, min_bytes)
     if not movable:
         return 0
-    try:
-        mapped = map_to_file(movable, path)
-    except OSError as error:
-        logger.warning("The quantized weights stay in memory: writing them to %s failed (%s)", path, str(error))
+    mapped = try_map_to_file(movable, path, "The quantized weights")
+    if mapped is None:
         return 0
     # one replacement per tensor, of the same kind, so the graphs that shared it still do
     mapped = {key: nn.Parameter(value, requires_grad=False) if isinstance(unique[int(key)], nn.Parameter) else value
@@ -267,4 +263,7 @@ def map_constants_to_file(graphs, path, min_bytes: int = 1 << 20) -> int:
             setattr(module, attr, replacement)
     del attributes, unique, movable
     gc.collect()  # a replaced Parameter can wait in a reference cycle: its anonymous memory goes now, not later
+    from optimum_qnn.exporter.memory import return_free_heap
+
+    return_free_heap()  # glibc keeps freed blocks under its mmap threshold (up to 32 MB) in its heap: give them back
     return sum(t.nbytes for t in mapped.values())

@@ -91,7 +91,7 @@ def map_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> dict[str, to
     the export for as long as the tensors live. The mapping is private and writable, so a tensor written in place
     copies the page it writes and the file is never changed. ``path`` must be on a disk's file system (never a
     RAM-backed /tmp): the export's own output folder. Raises OSError when the file cannot be written (nothing is
-    left then)."""
+    left then); `try_map_to_file` warns instead."""
     import mmap
 
     path = Path(path)
@@ -112,6 +112,17 @@ def map_to_file(tensors: Mapping[str, torch.Tensor], path: Path) -> dict[str, to
     # each tensor keeps the mapping alive; the last one to go unmaps it
     return {key: torch.frombuffer(mapping, dtype=t.dtype, count=t.numel(), offset=offsets[key]).view(t.shape)
             for key, t in tensors.items()}
+
+
+def try_map_to_file(tensors: Mapping[str, torch.Tensor], path: Path, what: str) -> dict[str, torch.Tensor] | None:
+    """`map_to_file`, or None with one warning line saying that ``what`` stays in memory when the file cannot be
+    written (a full disk, say): the export goes on with the tensors where they were."""
+    try:
+        return map_to_file(tensors, path)
+    except OSError as error:
+        # the text only: a record holding the error would keep its traceback, and with it the tensors, alive
+        logger.warning("%s stay in memory: writing them to %s failed (%s)", what, path, str(error))
+        return None
 
 
 class UpcastLinear(nn.Module):
