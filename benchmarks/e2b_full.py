@@ -142,11 +142,7 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
     log = proc.stdout + proc.stderr
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.log").write_text(log)
-    found = list(_STAGE.finditer(log))
-    memory = next((line for line in log.splitlines() if "Memory:" in line), "")
-    result = {"stages": [(m["name"], float(m["s"]), int(m["mb"]) / 1024) for m in found],
-              "anonymous_gb": {m["name"]: int(m["anon"]) / 1024 for m in found if m["anon"]}, "wall_s": wall,
-              "memory_line": memory.split("Memory:", 1)[-1].strip()}
+    result = parse_export(log, out, wall, proc.returncode)
     if group:
         result["memory_limit_gb"] = memory_limit_gb
         result["cgroup_peak_gb"] = group_peak  # the cgroup's own high-water mark: RSS plus the page cache it was charged
@@ -154,8 +150,23 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
         print(f"export failed ({proc.returncode}); log: {out.parent / (out.name + '.log')}\n{log[-3000:]}", flush=True)
         if not allow_failure:
             raise SystemExit(1)
+    return result
+
+
+def parse_export(log: str, out: Path, wall: float | None, returncode: int = 0) -> dict:
+    """What an export's log (under `/usr/bin/time -v`) and its artifact folder show: the stage lines, wall time
+    (``wall``, or else time's elapsed), peak RSS, CPU share and the (first) .pte's components."""
+    found = list(_STAGE.finditer(log))
+    memory = next((line for line in log.splitlines() if "Memory:" in line), "")
+    if wall is None:
+        elapsed = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", log)
+        wall = sum(float(part) * 60 ** i for i, part in enumerate(reversed(elapsed.group(1).split(":"))))
+    result = {"stages": [(m["name"], float(m["s"]), int(m["mb"]) / 1024) for m in found],
+              "anonymous_gb": {m["name"]: int(m["anon"]) / 1024 for m in found if m["anon"]}, "wall_s": wall,
+              "memory_line": memory.split("Memory:", 1)[-1].strip()}
+    if returncode:
         # What a failed run shows: where it stopped (the stages it finished) and how (-9 / 137: killed for memory).
-        return {"failed": proc.returncode, **result, "log_tail": log[-1500:]}
+        return {"failed": returncode, **result, "log_tail": log[-1500:]}
     pte = next(out.rglob("model.pte"))
     # /usr/bin/time's figures; under py-spy (--profile) its report can be missing from the log: None then.
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log)
@@ -316,6 +327,9 @@ def main() -> int:
                         help="record a py-spy profile of the export into FILE and store what it attributes in "
                         "benchmarks/lowering_profile.json; the run's own e2b_full.json row is then not stored (the "
                         "sampling is part of what was timed)")
+    parser.add_argument("--from-log", action="store_true",
+                        help="store the row of the export already run in --work (its out.log and out/), with the wall "
+                        "time /usr/bin/time printed, instead of running it again")
     parser.add_argument("extra", nargs="*", help="more export flags (after --)")
     args = parser.parse_args()
     name = MODELS[args.model][1]
@@ -324,8 +338,11 @@ def main() -> int:
     t0 = time.perf_counter()
     build(folder, model=args.model)
     print(f"checkpoint: {folder} ({time.perf_counter() - t0:.0f} s)")
-    result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit, args.profile,
-                        allow_failure=args.profile is None)
+    if args.from_log:
+        result = parse_export((args.work / "out.log").read_text(), args.work / "out", None)
+    else:
+        result = run_export(folder, args.work / "out", args.soc, args.quant, args.extra, args.memory_limit,
+                            args.profile, allow_failure=args.profile is None)
     result["estimate"] = estimate_stages(args.model, args.quant, result["memory_line"])
     if "failed" in result:
         store(rows_path(args.model), row_key(args), result)
@@ -376,14 +393,15 @@ def store(rows_file: Path, key: str, result: dict) -> None:
 def estimate_stages(model: str, quant: str, memory_line: str) -> dict[str, float] | None:
     """The exporter's own per-stage estimate (optimum_qnn.exporter.memory) at the shard count it printed, as it
     stood before the run: what the run's measurement is held against."""
-    from optimum_qnn.config import ExportConfig, QuantScheme
+    from optimum_qnn.config import RECIPES, ExportConfig, QuantScheme, recipe_fields
     from optimum_qnn.exporter.memory import ParameterCounts, estimate
 
     chosen = re.match(r"(\d+) shard", memory_line)
     if not chosen:
         return None
     counts = ParameterCounts.from_config(MODELS[model][0]())
-    return estimate(counts, ExportConfig(quant=QuantScheme(quant)), int(chosen.group(1))).stages
+    config = ExportConfig(**recipe_fields(quant)) if quant in RECIPES else ExportConfig(quant=QuantScheme(quant))
+    return estimate(counts, config, int(chosen.group(1))).stages
 
 
 def mem_total_gb() -> float:

@@ -19,19 +19,22 @@ from optimum_qnn.exporter.memory import (
     FIT_ERROR_GB,
     FIT_MAX_ERROR_GB,
     GB_BYTES,
+    HTP_CONTEXT_WEIGHTS_GB,
     CgroupFiles,
     ParameterCounts,
     available_memory,
     choose_memory_plan,
     default_budget_gib,
     estimate,
+    fewest_loadable_shards,
+    shard_weights_gb,
 )
 from optimum_qnn.models.gemma4.loading import read_text_config
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import memory_fit  # noqa: E402
-from e2b_width import e2b_config  # noqa: E402
+from e2b_width import e2b_config, e4b_config  # noqa: E402
 
 # The exports memory.py is fitted to: E2B widths at 2 and 7 layers, the full E2B and the full E4B
 # (benchmarks/memory_rows.json, fitted by benchmarks/memory_fit.py).
@@ -116,6 +119,26 @@ def test_a_given_shard_count_is_kept_and_checked(e2b):
     assert plan.estimate.shards == 35 and not plan.auto
     with pytest.raises(InvalidInputError, match="leave --shards out to let the exporter choose"):
         choose_memory_plan(e2b, ExportConfig(quant=QuantScheme.A16W4, shards=1, max_memory=16))
+
+
+def test_shards_keep_every_htp_context_loadable(e2b):
+    """The HTP loads a context of at most 4 GB: a shard count that would put more weights in one is never chosen,
+    and refused when given, whatever the build machine's memory."""
+    e4b = ParameterCounts.from_config(e4b_config())
+    w8, w4 = ExportConfig(quant=QuantScheme.A16W8, max_memory=256), ExportConfig(quant=QuantScheme.A16W4_BLOCK, max_memory=256)
+    assert fewest_loadable_shards(e4b, w4) == 1 and fewest_loadable_shards(e2b, w8) == 1  # 2.2 and 2.2 GB
+    # E4B at 8 bits: 4.4 GB of HTP weights (lm_head included) in one context, 2 shards bring the larger under 3
+    assert shard_weights_gb(e4b, w8, 1) > 4 and shard_weights_gb(e4b, w8, 2) <= HTP_CONTEXT_WEIGHTS_GB
+    plan = choose_memory_plan(e4b, w8)
+    assert plan.estimate.shards == 2 and "HTP's 4 GB context (at least 2)" in plan.summary()
+    assert choose_memory_plan(e4b, w4).estimate.shards == 1  # memory alone decides where every context loads
+    with pytest.raises(InvalidInputError, match="--shards 1 puts up to 4.[0-9] GB .* Give --shards 2 or more"):
+        choose_memory_plan(e4b, dataclasses.replace(w8, shards=1))
+    # A size budget may keep any linear at 8 bits: counted so; fp16 E2B needs two contexts as well
+    recipe = ExportConfig(**recipe_fields("16a4w_e2b"), max_memory=256)
+    assert fewest_loadable_shards(e4b, recipe) == 2
+    fp16 = ExportConfig(quant=QuantScheme.FP16, max_memory=256)
+    assert fewest_loadable_shards(e2b, fp16) == 2 and shard_weights_gb(e2b, fp16, 1) > 4
 
 
 def test_default_budget_is_mem_available_less_a_margin(tmp_path, e2b):

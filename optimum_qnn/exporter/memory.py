@@ -95,6 +95,13 @@ FIT_MAX_ERROR_GB = 0.5  # the largest error either way (an overestimate only cos
 
 _STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
+# The HTP loads a context of at most 4 GB: its weights, activations and spill-fill buffers. ExecuTorch's Qualcomm LLM
+# README ("Memory Limit Errors (4 GB HTP Limit)", examples/qualcomm/oss_scripts/llama) shows a context whose size
+# estimate was 4025634048 bytes failing to load ("Failed to find available PD ... context create from binary
+# failed") and gives more shards as the fix. One shard's weights are kept within 3 GB, a GB left for the rest.
+HTP_CONTEXT_LIMIT_GB = 4.0
+HTP_CONTEXT_WEIGHTS_GB = 3.0
+
 
 @dataclass(frozen=True)
 class ParameterCounts:
@@ -194,7 +201,7 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     table, rest = counts.token_table * stored, (counts.total - counts.token_table) * stored
     quantized = config.quant.is_quantized
     # What the rows did not vary, computed from the widths (bytes per parameter beyond the measured 4-bit ones).
-    weight_extra = max(0, config.quant.weight_bits - _MEASURED_WEIGHT_BITS) / 8
+    weight_extra = _weight_extra_bytes(counts, config)
     # Unresolved (None): what `EmbeddingQuant.default_for` picks, 4-bit when quantized, else float; float is stored.
     tables = config.embedding_quant or (EmbeddingQuant(4, 32) if quantized else EmbeddingQuant(0, 0))
     table_extra = counts.tables * max(0.0, _table_bytes_per_param(tables) - _MEASURED_TABLE_BYTES) / GB_BYTES
@@ -224,6 +231,22 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
 
 
+def _weight_extra_bytes(counts: ParameterCounts, config: ExportConfig) -> float:
+    """Bytes per HTP parameter beyond the measured 4-bit ones: a wider scheme's, and the 8-bit linears a size budget
+    keeps (its share of the parameters, or as many as its gigabytes hold; measured on Gemma-4-E4B with the
+    `16a4w_e2b` recipe, whose quarter at 8 bits the estimate had left out: lowering 17.6 GB, estimated 17.1 without
+    it and 17.9 with it)."""
+    extra = max(0, config.quant.weight_bits - _MEASURED_WEIGHT_BITS) / 8
+    budget = config.size_budget
+    if budget is not None and config.quant.weight_bits < 8:
+        wider = (8 - config.quant.weight_bits) / 8
+        if budget.share is not None:
+            extra += budget.share * wider
+        else:
+            extra += min(wider, max(0.0, budget.gigabytes * GB_BYTES / counts.htp - config.quant.weight_bits / 8))
+    return extra
+
+
 def hessian_gib(counts: ParameterCounts) -> float:
     """GB of the float64 input Hessians that GPTQ rounding holds (every linear's, at most)."""
     return counts.hessian_elements * 8 / GB_BYTES
@@ -241,6 +264,39 @@ def plan_gib(counts: ParameterCounts, config: ExportConfig) -> float:
     rows = tokens * counts.linear_inputs * 4 / GB_BYTES if config.weight_ranges is WeightRanges.OUTPUT_MSE else 0.0
     hessians = hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
     return max(probes, rows, hessians)
+
+
+def htp_weight_bytes(config: ExportConfig) -> float:
+    """Bytes per HTP weight at most: the scheme's width, or an override's wider one, or 8 bits where a size budget
+    may keep a linear at 8."""
+    bits = [config.quant.weight_bits] + [scheme.weight_bits for _, scheme in config.overrides or ()]
+    if config.size_budget is not None:
+        bits.append(8)
+    return max(bits) / 8
+
+
+def shard_weights_gb(counts: ParameterCounts, config: ExportConfig, shards: int) -> float:
+    """GB of weights in the largest of ``shards`` HTP contexts (an upper bound: `htp_weight_bytes`)."""
+    return counts.largest_shard(shard_starts(len(counts.layers), shards)) * htp_weight_bytes(config) / GB_BYTES
+
+
+def fewest_loadable_shards(counts: ParameterCounts, config: ExportConfig) -> int:
+    """The fewest shards whose every context keeps its weights within `HTP_CONTEXT_WEIGHTS_GB`: fewer would build a
+    .pte the HTP cannot load."""
+    layers = len(counts.layers)
+    return next((n for n in range(1, layers + 1) if shard_weights_gb(counts, config, n) <= HTP_CONTEXT_WEIGHTS_GB),
+                layers)
+
+
+def _check_loadable(counts: ParameterCounts, config: ExportConfig, shards: int, floor: int) -> None:
+    if shards >= floor:
+        return
+    raise InvalidInputError(
+        f"--shards {shards} puts up to {shard_weights_gb(counts, config, shards):.1f} GB of weights "
+        f"({config.quant.value}) in one HTP context, and the HTP loads a context of at most "
+        f"{HTP_CONTEXT_LIMIT_GB:.0f} GB with its activations and buffers: the .pte would not load on the device. "
+        f"Give --shards {floor} or more, or leave --shards out to let the exporter choose"
+    )
 
 
 @dataclass(frozen=True)
@@ -327,12 +383,15 @@ class MemoryPlan:
     budget_gib: float | None
     budget_source: str  # "--max-memory", "MemAvailable ... less margin", "cgroup memory limit ... less margin", or "unknown"
     auto: bool
+    loadable_floor: int = 1  # the fewest shards the HTP can load (`fewest_loadable_shards`)
 
     def summary(self) -> str:
         """The one line the exporter prints."""
         est = self.estimate
         chosen = "chosen for" if self.auto else "given;"
         budget = f"budget {self.budget_gib:.1f} GB ({self.budget_source})" if self.budget_gib is not None else "no budget known"
+        if self.auto and self.loadable_floor > 1:
+            budget += f" and the HTP's {HTP_CONTEXT_LIMIT_GB:.0f} GB context (at least {self.loadable_floor})"
         return (f"Memory: {est.shards} shard(s) {chosen} {budget}; estimated peak {est.peak:.1f} GB ({est.peak_stage}), "
                 f"lowering {est.lowering:.1f} GB (anonymous memory, which the kernel cannot reclaim; an estimate "
                 "fitted to measured exports, not a measurement)")
@@ -340,8 +399,9 @@ class MemoryPlan:
 
 def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluate: bool = False,
                        meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> MemoryPlan:
-    """The fewest shards whose estimated peak fits the budget (``config.shards`` when the user gave one), or
-    an `InvalidInputError` with the estimate and the fix when the export cannot fit.
+    """The fewest shards whose estimated peak fits the budget and whose contexts the HTP can load
+    (`fewest_loadable_shards`; ``config.shards`` when the user gave one), or an `InvalidInputError` with the estimate
+    and the fix when the export cannot fit or would not load.
 
     Fewest, because every shard is one more HTP graph call per token on the phone."""
     if config.max_memory is not None:
@@ -351,17 +411,19 @@ def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluat
         budget = default_budget_gib(available)
         source = f"{source} less margin" if available is not None else source
     num_layers = len(counts.layers)
+    floor = fewest_loadable_shards(counts, config)
     if config.shards is not None:
+        _check_loadable(counts, config, config.shards, floor)
         plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)
     else:
-        candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(1, num_layers + 1)]
+        candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(floor, num_layers + 1)]
         # The whole export's peak, not the lowering's alone: with one shard the compile runs in this process, and
         # the stages after it keep what the compiler took.
         fitting = ([c for c in candidates if budget is None or c.peak + FIT_ERROR_GB <= budget]
                    or [c for c in candidates if c.peak <= budget])
         # Nothing fits: the lowest estimate (the fewest shards among equals), for the refusal to quote.
         best = fitting[0] if fitting else min(candidates, key=lambda c: (c.peak, c.shards))
-        plan = MemoryPlan(best, budget, source, auto=True)
+        plan = MemoryPlan(best, budget, source, auto=True, loadable_floor=floor)
     if budget is not None and plan.estimate.peak > budget:
         raise InvalidInputError(_refusal(plan, counts, config, evaluate, num_layers))
     return plan
