@@ -325,7 +325,7 @@ def test_return_free_heap_gives_back_what_the_heap_kept():
     (below any threshold), freed all but the last (which pins the heap's top, so free() itself cannot shrink it)."""
     import torch
 
-    from optimum_qnn.exporter.memory import return_free_heap, rss_kb
+    from optimum_qnn.quantization.weights import return_free_heap, rss_kb
 
     return_free_heap()
     tensors = [torch.ones(16 * 1024) for _ in range(3000)]  # 64 KiB each, touched: ~188 MiB resident

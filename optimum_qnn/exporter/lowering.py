@@ -45,7 +45,7 @@ from optimum_qnn.exporter.edge import (
     to_edge,
     to_edge_in_parallel,
 )
-from optimum_qnn.exporter.memory import return_free_heap
+from optimum_qnn.quantization.weights import return_free_heap
 from optimum_qnn.exporter.program_transfer import SharedTensors
 from optimum_qnn.native_output import quiet_native_output
 from optimum_qnn.exporter.forked import run_forked

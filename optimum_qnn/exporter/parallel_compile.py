@@ -41,7 +41,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from optimum_qnn.exporter.memory import return_free_heap, rss_kb
+from optimum_qnn.quantization.weights import return_free_heap, rss_kb
 from optimum_qnn.progress import COMPILED_MESSAGE, PREPARING_MESSAGE
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from optimum_qnn.config import EmbeddingQuant
-from optimum_qnn.quantization.weights import release_pages, try_map_to_file
+from optimum_qnn.quantization.weights import release_pages, return_free_heap, try_map_to_file
 
 
 
@@ -173,7 +173,5 @@ def map_tables_to_file(modules, path) -> int:
     for key, (module, name, _) in owners.items():
         module._buffers[name] = mapped[key]
     del owners
-    from optimum_qnn.exporter.memory import return_free_heap
-
     return_free_heap()  # glibc keeps freed blocks under its mmap threshold (up to 32 MB) in its heap: give them back
     return sum(t.nbytes for t in mapped.values())

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from optimum_qnn.quantization.weights import anonymous_tensors, release_pages, try_map_to_file
+from optimum_qnn.quantization.weights import anonymous_tensors, release_pages, return_free_heap, try_map_to_file
 
 
 # Dtype casts a weight may pass through between its get_attr and its quantize op (bf16 weights kept in the checkpoint's
@@ -263,7 +263,5 @@ def map_constants_to_file(graphs, path, min_bytes: int = 1 << 20) -> int:
             setattr(module, attr, replacement)
     del attributes, unique, movable
     gc.collect()  # a replaced Parameter can wait in a reference cycle: its anonymous memory goes now, not later
-    from optimum_qnn.exporter.memory import return_free_heap
-
     return_free_heap()  # glibc keeps freed blocks under its mmap threshold (up to 32 MB) in its heap: give them back
     return sum(t.nbytes for t in mapped.values())
