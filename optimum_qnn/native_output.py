@@ -91,13 +91,14 @@ def flush_output() -> None:
     what was written within it, within it (C's stdout is block-buffered when it is not a terminal)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    libc = _libc()
+    libc = c_library()
     if libc is not None:
         libc.fflush(None)
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def c_library() -> ctypes.CDLL | None:
+    """The C library this process runs on (fflush, madvise, malloc_trim), once looked up; None where there is none."""
     try:
         return ctypes.CDLL(None)  # the C library this process runs on (POSIX)
     except (OSError, TypeError):  # Windows: no process-wide C library handle

@@ -6,13 +6,11 @@ The token and per-layer embedding tables never enter the HTP graph (Gemma4 E2B's
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 from optimum_qnn.config import EmbeddingQuant
 from optimum_qnn.quantization.weights import release_pages, return_free_heap, try_map_to_file
-
 
 
 def register_quantized_embedding_ops() -> None:

@@ -15,7 +15,6 @@ from torch import nn
 
 from optimum_qnn.quantization.weights import anonymous_tensors, release_pages, return_free_heap, try_map_to_file
 
-
 # Dtype casts a weight may pass through between its get_attr and its quantize op (bf16 weights kept in the checkpoint's
 # pages are cast to the activation dtype in the graph).
 _CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout)

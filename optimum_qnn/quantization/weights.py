@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optimum_qnn.native_output import c_library
+
 logger = logging.getLogger(__name__)
 
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the pages; file-backed ones are re-read on the next touch
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_libc = None
 
 
 def release_pages(tensor: torch.Tensor) -> bool:
@@ -38,16 +39,13 @@ def release_pages(tensor: torch.Tensor) -> bool:
     again from the file when touched, an anonymous one stays or goes to swap). Returns whether the call was made.
 
     For a tensor that maps a checkpoint file (safetensors), this drops it from the process's RSS after a pass."""
-    global _libc
     if not tensor.numel() or not hasattr(os, "sysconf"):
         return False
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
         start = tensor.data_ptr() // _PAGE * _PAGE
         end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-        return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT) == 0
-    except (OSError, AttributeError):  # no madvise (not Linux): the pages stay, nothing else changes
+        return c_library().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT) == 0
+    except AttributeError:  # no C library or no madvise (not Linux): the pages stay, nothing else changes
         return False
 
 
@@ -135,18 +133,12 @@ def return_free_heap() -> float:
     Gemma-4-E4B (16a4w_block, 42 shards) when the lowering began, 6.91 GiB of live tensors in an RSS of 9.85 GiB, and
     7.68 GiB after one trim. The compile workers are forked from this process, and its RSS counts against the
     export's memory budget: the lowering trims when it starts and before each shard's compile is forked."""
-    global _trim_libc
-    if _trim_libc is None:  # the process's own C library, as `release_pages` finds madvise
-        libc = ctypes.CDLL(None)
-        _trim_libc = libc if hasattr(libc, "malloc_trim") else False  # musl and macOS have none
-    if not _trim_libc:
+    trim = getattr(c_library(), "malloc_trim", None)  # musl and macOS have none
+    if trim is None:
         return 0.0
     before = rss_kb()
-    _trim_libc.malloc_trim(0)
+    trim(0)
     return max(0, before - rss_kb()) / 2**20
-
-
-_trim_libc = None  # the C library once looked up; False where it has no malloc_trim
 
 
 def rss_kb() -> int:
