@@ -272,7 +272,9 @@ class StaticGemma4TextModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         h = self.embed_tokens(tokens)
         ple = self.per_layer_inputs(tokens, h) if self.ple_dim else None
-        rope = {kind: self.rope(input_pos, kind) for kind in {spec.attention for spec in self.layer_specs}}
+        # One lookup per attention kind, in layer order: a set's order follows the string hash (PYTHONHASHSEED), and
+        # the traced graph's node order, hence the HTP context's bytes, would differ from one process to the next.
+        rope = {kind: self.rope(input_pos, kind) for kind in dict.fromkeys(spec.attention for spec in self.layer_specs)}
         if tokens.shape[1] in self.window_bands:
             # `where`, not `minimum`: the HTP has no 8-bit ElementWiseMinimum (QNN cannot create q::Minimum_u8_simple,
             # so an 8a8w prefill graph failed to compile); a select keeps the mask's range at every precision.
