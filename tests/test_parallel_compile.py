@@ -393,3 +393,30 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+@needs_fork
+def test_the_op_check_side_by_side_finds_what_the_partitioner_checks(qnn_sdk):
+    """`edge.supported_nodes` with 2 processes (each every other node) gives the partitioner the set its own check
+    over every node in one process gives; the shards' CPU hand-over ops are the nodes left out."""
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+
+    from optimum_qnn.config import Soc
+    from optimum_qnn.exporter.edge import SHARD_OP, _supported_share, method_names, supported_nodes
+    from optimum_qnn.exporter.lowering import EdgeLowering, compile_specs
+
+    module, inputs = stack_and_inputs()
+    lowering = EdgeLowering({name: (module, example) for name, example in inputs.items()}, fp16=True, shard_starts=(1, 2))
+    lowering.prepare()
+    edge = lowering._edge
+    spec = compile_specs(Soc.SM8650, fp16=True, multiple_graphs=True, weight_sharing=False, multiple_contexts=True)
+    skip = {SHARD_OP}
+    with QnnManagerContext({name: spec for name in method_names(edge)}):
+        side_by_side = supported_nodes(edge, spec, skip, workers=2)
+        alone = _supported_share(edge, spec, frozenset(skip), 1, 0)
+        assert supported_nodes(edge, spec, skip, workers=1) == {}  # the partitioner checks them itself
+    assert side_by_side == {name: frozenset(nodes) for name, nodes in alone.items()}
+    for name in method_names(edge):
+        calls = [n for n in edge.exported_program(name).graph.nodes if n.op == "call_function"]
+        left_out = {n.target.__name__ for n in calls if n.name not in side_by_side[name]}
+        assert len(side_by_side[name]) > 10 and left_out == {SHARD_OP}, (name, left_out)

@@ -32,6 +32,7 @@ from optimum_qnn.artifacts.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
 from optimum_qnn.exporter.parallel_compile import workers_private_mb
+from optimum_qnn.quantization.weights import resident_kb
 from optimum_qnn.exporter.residency import (
     lm_head_in_float32,
     map_weights_to_file,
@@ -98,11 +99,9 @@ def _memory_mb() -> tuple[float, float]:
     """(RSS, anonymous RSS) of this process in MiB, each plus the private memory of its running QNN compile workers
     (their pages shared with it are in its RSS already). statm: resident pages, then the shared (file-backed and
     shmem) ones among them."""
-    with open("/proc/self/statm") as f:
-        fields = f.read().split()
-    page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
-    resident, shared, workers = int(fields[1]) * page_mb, int(fields[2]) * page_mb, workers_private_mb()
-    return resident + workers, resident - shared + workers
+    resident, anonymous = resident_kb()
+    workers = workers_private_mb()
+    return resident / 1024 + workers, anonymous / 1024 + workers
 
 
 class _RssSampler(threading.Thread):

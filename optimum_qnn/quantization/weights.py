@@ -143,8 +143,16 @@ def return_free_heap() -> float:
 
 def rss_kb() -> int:
     """This process's resident set, in kB (/proc/self/statm)."""
+    return resident_kb()[0]
+
+
+def resident_kb() -> tuple[int, int]:
+    """This process's resident set and its anonymous part (less the file-backed and shmem pages: statm's third
+    field), in kB. File pages are clean copies of files the kernel drops and reads again under pressure."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+        fields = f.read().split()
+    page_kb = os.sysconf("SC_PAGE_SIZE") // 1024
+    return int(fields[1]) * page_kb, (int(fields[1]) - int(fields[2])) * page_kb
 
 
 class UpcastLinear(nn.Module):
