@@ -97,8 +97,7 @@ def _rss_mb() -> float:
 
 def _memory_mb() -> tuple[float, float]:
     """(RSS, anonymous RSS) of this process in MiB, each plus the private memory of its running QNN compile workers
-    (their pages shared with it are in its RSS already). statm: resident pages, then the shared (file-backed and
-    shmem) ones among them."""
+    (their pages shared with it are in its RSS already); see `weights.resident_kb`."""
     resident, anonymous = resident_kb()
     workers = workers_private_mb()
     return resident / 1024 + workers, anonymous / 1024 + workers
