@@ -181,6 +181,30 @@ def test_the_export_budget_caps_the_workers(monkeypatch, budget_gb, waits):
 
 
 @needs_fork
+def test_the_budget_counts_this_process_s_anonymous_memory_not_its_file_pages(monkeypatch, tmp_path):
+    """A file this process has read through a mapping (the checkpoint's weights) is in its RSS but not in what the
+    budget must hold: the kernel drops those pages under pressure."""
+    import mmap
+
+    from optimum_qnn.quantization.weights import resident_kb
+
+    monkeypatch.setattr(parallel_compile, "_available_kb", lambda: float("inf"))
+    data = tmp_path / "weights.bin"
+    data.write_bytes(b"\1" * (256 * 2**20))
+    with data.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE)) == len(mapped) // mmap.PAGESIZE
+        rss, anon = resident_kb()
+        budget_kb = anon + 100 * 1024  # room in anonymous memory for a 1000-parameter compile, none beside the file
+        assert rss > budget_kb
+        pool = _WorkerPool(workers=2, shards=2, budget_gb=budget_kb / 2**20)
+        try:
+            assert pool._memory_allows(1000)
+            assert not pool._memory_allows(200 * 2**20 // 7)  # 200 MB expected: more than the room
+        finally:
+            pool.kill()
+
+
+@needs_fork
 def test_workers_private_memory_is_counted(tmp_path):
     """The export's RSS sampler adds the workers' own pages: 200 MiB a worker touches show up while it runs."""
     release = tmp_path / "release"
