@@ -106,7 +106,7 @@ def build(folder: Path, seed: int = 0, model: str = "e2b") -> Path:
     return folder
 
 
-_STAGE = re.compile(r"\[(?P<name>[\w ]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB(?: \(anonymous (?P<anon>\d+) MB\))?")
+_STAGE = re.compile(r"\[(?P<name>[\w +]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB(?: \(anonymous (?P<anon>\d+) MB\))?")
 
 
 PROFILE_RATE = 20  # py-spy samples per second (benchmarks/lowering_profile.py reads the profile)

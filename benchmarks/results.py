@@ -331,6 +331,11 @@ def multi_soc_section(rows: dict) -> str:
     """One export for four SoCs: what each SoC adds, against the first SoC's whole export."""
 
     def run_text(label: str, run: dict) -> str:
+        if "waves" in run:  # two exports: the first SoC alone, then all four (lowered side by side where they fit)
+            return (f"\n{label} (commit {run['commit']}): the first SoC alone {run['first_soc_export_s']:.1f} s, all four "
+                    f"{run['export_s']:.1f} s; **an extra SoC costs {run['marginal']:.2f}x** of the first.\n\n"
+                    + markdown(["SoCs lowered at once", "lower stage (s)"],
+                               [[" + ".join(w["socs"]), f"{w['lower_s']:.1f}"] for w in run["waves"]]) + "\n")
         return (f"\n{label} (commit {run['commit']}): shared stages {run['shared_s']:.1f} s, first SoC's whole export "
                 f"{run['first_soc_export_s']:.1f} s, wall {run['wall_s']:.0f} s.\n\n"
                 + markdown(["SoC", "its lower + inspect + write (s)", "marginal"],
@@ -339,11 +344,14 @@ def multi_soc_section(rows: dict) -> str:
     return _runs_section(rows, "\n## One export, four SoCs: the cost of each extra SoC\n\n"
                          "benchmarks/multi_soc.py: `optimum-cli export qnn --soc SM8550 SM8650 SM8750 SM8850` (default flags "
                          "otherwise); load, calibration and quantization run once, then each SoC is lowered, inspected and "
-                         "written. An SoC's marginal cost is its own stages over the first SoC's whole export (the shared "
-                         "stages plus its own). From 866bf35 the lowering's SoC-independent half (re-export, QNN's passes, "
+                         "written. Rows with a wave table (from side-by-side lowering on): two exports, the first SoC alone "
+                         "and all four, each timed as the sum of its stages; an extra SoC's marginal cost is their "
+                         "difference over 3, over the first. Rows labelled `one SoC after the other` lowered the SoCs in "
+                         "turn, and an SoC's marginal cost there is its own stages over the first SoC's whole export (the "
+                         "shared stages plus its own). From 866bf35 the lowering's SoC-independent half (re-export, QNN's passes, "
                          "edge conversion: the `edge` stage) is one of the shared stages, and an SoC's own lowering is "
                          "its partitioning, HTP compile and serialization; the rows labelled `before 866bf35` ran the "
-                         "whole lowering per SoC, measured in the same sitting as the rows without a label.\n", run_text)
+                         "whole lowering per SoC.\n", run_text)
 
 
 def matrix_section(rows: dict) -> str:

@@ -141,6 +141,10 @@ class LoweringProgress(logging.Handler):
         self.step = ""  # compiling the shards is the step now
         return True
 
+    def key(self) -> tuple:
+        """What a log view writes a new line for: the step and the shards done."""
+        return self.step, self.n, self.total
+
     def finish(self) -> None:
         """The lowering returned: every shard is done."""
         if self.total:
@@ -195,7 +199,7 @@ class _LogView:
         self.last: tuple | None = None
 
     def update(self, progress: LoweringProgress) -> None:
-        key = progress.step, progress.n, progress.total
+        key = progress.key()
         if key == self.last:
             return
         self.last = key
@@ -235,3 +239,49 @@ def lowering_progress(desc: str, rss_mb: Callable[[], float] | None = None) -> I
         preprocess.removeHandler(progress)
         view.close()
         stream.close()
+
+
+class _SideBySide:
+    """Several lowerings on one line, e.g. ``Lowering for SM8550: 1/2 shards done | SM8650: partitioning kv_forward``:
+    one `LoweringProgress` per lowering (its records come from the forked child that runs it), one view for all."""
+
+    def __init__(self, descs: list[str], view) -> None:
+        self.view = view
+        self.parts = [LoweringProgress(desc, self) for desc in descs]
+
+    def update(self, _part: LoweringProgress) -> None:
+        if self.view is not None:
+            self.view.update(self)
+
+    def key(self) -> tuple:
+        return tuple(part.key() for part in self.parts)
+
+    def line(self) -> str:
+        return " | ".join(part.line() for part in self.parts)
+
+
+@contextlib.contextmanager
+def side_by_side_progress(descs: list[str], rss_mb: Callable[[], float] | None = None) -> Iterator[list[LoweringProgress]]:
+    """`lowering_progress` for lowerings that run side by side in forked children (one display line for all):
+    yields one `LoweringProgress` per lowering, for its child's records (`optimum_qnn.exporter.forked.Forked`'s
+    ``records``); `finish()` each as its lowering returns. Without a stderr file descriptor nothing is shown."""
+    # The children inherit these loggers' levels: at INFO, their steps reach the pipe (`relayed_progress_loggers`).
+    loggers = [logging.getLogger(name) for name in (*_PROGRESS_LOGGERS, QNN_PREPROCESS_LOGGER)]
+    levels = [source.level for source in loggers]
+    for source in loggers:
+        source.setLevel(min(source.getEffectiveLevel(), logging.INFO))
+    try:
+        try:
+            stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+        except (OSError, ValueError):
+            yield _SideBySide(descs, None).parts
+            return
+        view = _TerminalView(stream, " | ".join(descs), rss_mb) if stream.isatty() else _LogView(stream, rss_mb)
+        try:
+            yield _SideBySide(descs, view).parts
+        finally:
+            view.close()
+            stream.close()
+    finally:
+        for source, level in zip(loggers, levels):
+            source.setLevel(level)

@@ -371,8 +371,8 @@ def test_a_kept_lowering_runs_in_a_child_and_makes_what_this_process_would(qnn_s
     from optimum_qnn.exporter import forked, lowering
 
     children = []
-    run_forked = lowering.run_forked
-    monkeypatch.setattr(lowering, "run_forked", lambda fn, what, hint="": children.append(what) or run_forked(fn, what, hint))
+    Forked = lowering.Forked
+    monkeypatch.setattr(lowering, "Forked", lambda fn, what, hint="", records=None: children.append(what) or Forked(fn, what, hint, records))
     programs = {name: torch.export.export(attention, inputs, strict=True) for name, inputs in hybrid_inputs.items()}
     shared = lowering.EdgeLowering(programs, fp16=True, constant_methods=CONSTANTS)
     with caplog.at_level(logging.INFO, logger="optimum_qnn.progress"):
@@ -595,3 +595,4 @@ def test_methods_converted_side_by_side_make_the_program_one_process_makes(qnn_s
             EdgeLowering(methods, fp16=False).prepare()
         # the advice fits the work that was killed: convert one method at a time, not fewer SoCs
         assert "OPTIMUM_QNN_EDGE_SIDE_BY_SIDE=0" in str(killed.value) and "SoCs" not in str(killed.value)
+

@@ -1,5 +1,5 @@
 """Run one step of the export in a forked child process and hand its result back: a SoC's lowering of a multi-SoC
-export (`EdgeLowering.lower(..., keep=True)`).
+export (`EdgeLowering.lower(..., keep=True)`, or several side by side: `EdgeLowering.lower_forked`).
 
 Why a child. libQnnHtp numbers the tensors and graphs of every context it builds from process-wide counters (see
 `optimum_qnn.exporter.parallel_compile`), so a second lowering in one process makes a different context binary from
@@ -55,7 +55,7 @@ class Forked(Generic[T]):
     """``fn()`` running in a forked child while this process goes on; `result()` waits for it (see `run_forked`).
     A `Forked` that is never waited for is killed by `cancel()` (or with this process: `die_with_parent`)."""
 
-    def __init__(self, fn: Callable[[], T], what: str, memory_hint: str = ""):
+    def __init__(self, fn: Callable[[], T], what: str, memory_hint: str = "", records: logging.Handler | None = None):
         self.what, self.memory_hint = what, memory_hint
         self._folder = tempfile.TemporaryDirectory(prefix="optimum-qnn-fork-")
         self._result_path = Path(self._folder.name) / "result.pickle"
@@ -72,8 +72,13 @@ class Forked(Generic[T]):
         self.pid = pid
         self._reaped = False
         parallel_compile._live[pid] = -1  # its private memory counts in the export's RSS figures
-        self._relay = threading.Thread(target=_relay_records, args=(read_fd,), daemon=True)
+        self._relay = threading.Thread(target=_relay_records, args=(read_fd, records), daemon=True)
         self._relay.start()
+
+    def finished(self) -> bool:
+        """Whether the child has ended, so that `result()` returns without waiting."""
+        # WNOWAIT: the child stays a zombie (its pid reserved) until `result()` reaps it.
+        return self._reaped or os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
     def cancel(self) -> None:
         """Kill the child (if it still runs) and let go of its files."""
@@ -151,12 +156,18 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError("".join(traceback.format_exception(error)))
 
 
-def _relay_records(read_fd: int) -> None:
-    """Hand the child's progress records to this process's loggers (and so to its progress display)."""
+def _relay_records(read_fd: int, records: logging.Handler | None = None) -> None:
+    """Hand the child's progress records to ``records`` (one lowering's display among several side by side), or
+    to this process's loggers (and so to its progress display)."""
     with os.fdopen(read_fd, "rb") as pipe:
         while True:
             try:
                 name, level, message = pickle.load(pipe)
             except (EOFError, pickle.UnpicklingError, OSError):
                 return
-            logging.getLogger(name).log(level, "%s", message)
+            if records is None:
+                logging.getLogger(name).log(level, "%s", message)
+            else:
+                records.handle(logging.makeLogRecord(
+                    {"name": name, "levelno": level, "levelname": logging.getLevelName(level), "msg": message}
+                ))

@@ -5,11 +5,10 @@ call. ExecuTorch 1.5.1's `QnnBackend.preprocess_multimethod` then compiles the i
 into one shared HTP context binary, and the serializer stores that binary once in the .pte. With
 `weight_sharing=True` the graphs of that context also share one copy of their weights (the on-device choice).
 
-Measured with the QAIRT 2.49.40 libraries of onnxruntime-qnn 2.5.0 (tiny attention block, two methods):
-- weight sharing on: the context is smaller (weights once) but the x86 HTP emulator cannot load it
-  (`Shared weights buffer isn't supported on this platform`, then a segfault in `load_method`);
-- weight sharing off: one context with two graphs, each holding its own weights; it runs on the emulator.
-So artifacts meant for the emulator (tests, parity checks on x86) pass `weight_sharing=False`.
+Measured with the QAIRT 2.49.40 libraries of onnxruntime-qnn 2.5.0 (tiny attention block, two methods): with weight
+sharing the context is smaller (weights once) but the x86 HTP emulator cannot load it (`Shared weights buffer isn't
+supported on this platform`, then a segfault in `load_method`); without, each graph holds its own weights and it
+runs there. So artifacts meant for the emulator (tests, parity checks on x86) pass `weight_sharing=False`.
 
 Example:
     >>> programs = {"prefill_forward": (block, prefill_inputs), "kv_forward": (block, decode_inputs)}
@@ -48,7 +47,7 @@ from optimum_qnn.exporter.edge import (
 from optimum_qnn.quantization.weights import return_free_heap
 from optimum_qnn.exporter.program_transfer import SharedTensors
 from optimum_qnn.native_output import quiet_native_output
-from optimum_qnn.exporter.forked import run_forked
+from optimum_qnn.exporter.forked import Forked
 from optimum_qnn.exporter.parallel_compile import default_workers, fork_available
 from optimum_qnn.progress import report_step
 from optimum_qnn.sdk import ensure_qnn_sdk
@@ -370,10 +369,8 @@ class EdgeLowering:
                 (the export's memory budget); None: only what the machine has available limits them.
             path: write the program to this file as it is serialized (ExecuTorch's `write_to_file`) instead of
                 returning its bytes: Gemma-4-E2B's program is 3 GB, and joining it in memory costs that much again.
-            keep: keep the edge programs for another `lower`: on Linux this SoC is lowered in a forked child, on its
-                copy-on-write copy of them (and gets the program a lowering of its own makes: `forked`), elsewhere
-                on a copy that shares their weight tensors; False lowers the edge programs themselves and lets them
-                go (the last SoC).
+            keep: keep the edge programs for another `lower`: lowered in a forked child on Linux (`lower_forked`),
+                elsewhere on a copy sharing their weights; False lowers them and lets them go (the last SoC).
 
         Returns:
             The `LoweredProgram` (bytes + delegation summary).
@@ -402,13 +399,10 @@ class EdgeLowering:
         if keep and fork_available():
             # In a child that lowers its copy-on-write copy of the edge programs: this process's QNN counters stay
             # where they were, so this SoC's program is the one a single-SoC export makes (`optimum_qnn.exporter.forked`).
-            return run_forked(
-                functools.partial(
-                    self.lower, soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
-                    memory_budget_gb=memory_budget_gb, path=path, keep=False,
-                ),
-                f"the lowering for {soc.value}", "export fewer SoCs at once, or use more shards",
-            )
+            return self.lower_forked(
+                soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
+                memory_budget_gb=memory_budget_gb, path=path,
+            ).result()
         logger.info("Lowering %s to QNN for %s (%s)", ", ".join(self.methods), soc.value, "fp16" if self.fp16 else "quantized")
         if keep:
             edge = copy_sharing_tensors(self._edge)
@@ -447,6 +441,17 @@ class EdgeLowering:
             del executorch_program
         logger.debug("QNN compiler output:\n%s", native_log.text)
         return LoweredProgram(program=program, delegation=delegation, weight_sharing=weight_sharing, soc=soc)
+
+    def lower_forked(self, soc: Soc, *, records: logging.Handler | None = None, **options: Any) -> Forked:
+        """`lower(soc, keep=True, **options)` in a forked child (Linux) while this process goes on, e.g. several SoCs
+        side by side; `result()` gives the `LoweredProgram`, ``records`` gets the child's progress records."""
+        if not fork_available():
+            raise RuntimeError("lower_forked needs os.fork (Linux); lower() one SoC after the other here")
+        self.prepare()  # once, in this process: every child starts from the same edge programs
+        return Forked(
+            functools.partial(self.lower, soc, **options, keep=False),
+            f"the lowering for {soc.value}", "export fewer SoCs at once, or use more shards", records=records,
+        )
 
 
 # What QNN prints when it refuses a graph: the op it could not create, else its first error line.

@@ -324,6 +324,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     from optimum_qnn.artifacts.inspection import export_time_inspection
     from optimum_qnn.exporter.delegation import format_delegation
     from optimum_qnn.exporter.lowering import EdgeLowering, LoweredProgram
+    from optimum_qnn.exporter.side_by_side import lower_side_by_side, socs_at_once
 
     evaluator = None
     if evaluate is not None:
@@ -361,6 +362,22 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         return result
     with _stage(result, "edge"), lowering_progress("Preparing the graphs for QNN", _rss_mb):
         lowering.prepare()
+    at_once = 1 if check_weight_sharing else socs_at_once(len(config.socs), memory.estimate.lowering, memory.budget_gib)
+    if at_once > 1:
+        def write_wave(wave: list[tuple[Soc, LoweredProgram, float]]) -> None:
+            try:
+                for soc, lowered, seconds in wave:
+                    logger.info("Lowered for %s in %.1f s", soc.value, seconds)
+                    result.delegation[soc.value] = format_delegation(lowered.delegation)
+                    write(soc, lowered)
+            finally:  # the writer moved each program it wrote into place; what a failure left goes
+                for _, lowered, _ in wave:
+                    Path(lowered.program).unlink(missing_ok=True)
+
+        lower_side_by_side(lowering, config.socs, at_once, weight_sharing=weight_sharing, budget_gb=memory.budget_gib,
+                           program_file=lambda: staging_path(output, ".pte"), lowered=write_wave,
+                           stage=functools.partial(_stage, result), rss_mb=_rss_mb)
+        return result
     for i, soc in enumerate(config.socs):
         last = i == len(config.socs) - 1
         lower = functools.partial(lowering.lower, soc, memory_budget_gb=memory.budget_gib)

@@ -1,0 +1,108 @@
+"""Lower several SoCs of one export side by side: each SoC's lowering in its own forked child, as many at once as
+the cores and the memory budget allow.
+
+Why: after the SoC-independent part (`EdgeLowering.prepare`), a SoC's lowering is the QNN op check, the
+partitioning, the compile and the serialization, and for a model of one shard most of it runs on one core (the
+compile holds the GIL and is one thread). Measured on Gemma-4-E2B's widths at 2 layers (16a8w, `benchmarks/multi_soc.py`,
+one after the other): every extra SoC cost 0.63-0.93x of the first SoC's whole export, 73 s of it one QNN compile. Two
+lowerings side by side use both cores of a 2-core machine.
+
+Each child lowers its copy-on-write copy of the edge programs, exactly as the one-after-the-other path does
+(`EdgeLowering.lower(keep=True)`), so every SoC still gets the program a single-SoC export makes. The SoCs go in waves
+of ``at_once``; a wave's variants are written when the whole wave is lowered, in the order the SoCs were given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import ContextManager
+
+from optimum_qnn.config import Soc
+from optimum_qnn.exporter.lowering import EdgeLowering, LoweredProgram
+from optimum_qnn.exporter.parallel_compile import default_workers, fork_available
+from optimum_qnn.progress import side_by_side_progress
+
+logger = logging.getLogger(__name__)
+
+# OPTIMUM_QNN_SOCS_SIDE_BY_SIDE=1 lowers one SoC after the other (N: at most N at once).
+SOCS_SIDE_BY_SIDE_VARIABLE = "OPTIMUM_QNN_SOCS_SIDE_BY_SIDE"
+_POLL_SECONDS = 0.1
+
+
+def socs_at_once(socs: int, lowering_gb: float, budget_gb: float | None, *, cores: int | None = None,
+                 variable: str | None = None) -> int:
+    """How many SoC lowerings run at once: at most one per core and per SoC, and only as many as whole lowerings
+    (``lowering_gb``: the memory plan's estimate of the lower stage, this process included, so counted in full each
+    time) fit in the budget. 1 where fork is unavailable or the budget is unknown; ``variable`` (the environment's
+    OPTIMUM_QNN_SOCS_SIDE_BY_SIDE) caps it."""
+    if socs < 2 or budget_gb is None or lowering_gb <= 0 or not fork_available():
+        return 1
+    cores = default_workers() if cores is None else cores
+    at_once = min(socs, cores, int(budget_gb // lowering_gb))
+    text = os.environ.get(SOCS_SIDE_BY_SIDE_VARIABLE) if variable is None else variable
+    if text:
+        try:
+            at_once = min(at_once, int(text))
+        except ValueError:
+            raise ValueError(f"{SOCS_SIDE_BY_SIDE_VARIABLE} must be a whole number (1: one SoC after the other); got {text!r}") from None
+    return max(1, at_once)
+
+
+def lower_side_by_side(
+    lowering: EdgeLowering,
+    socs: Sequence[Soc],
+    at_once: int,
+    *,
+    weight_sharing: bool,
+    budget_gb: float | None,
+    program_file: Callable[[], Path],
+    lowered: Callable[[list[tuple[Soc, LoweredProgram, float]]], None],
+    stage: Callable[[str], ContextManager] = contextlib.nullcontext,
+    rss_mb: Callable[[], float] | None = None,
+) -> None:
+    """Lower ``socs`` in waves of ``at_once`` forked children, each wave inside ``stage("lower A+B")``. After each
+    wave, ``lowered(wave)`` gets (SoC, program, seconds its own lowering took) in the order of ``socs``; it writes the
+    variants. ``program_file()`` gives a fresh staging path for each SoC's .pte (deleted here if the wave fails).
+
+    Each child compiles its shards with ``cores // at_once`` workers (at least 1) within ``budget_gb / at_once``.
+
+    Raises:
+        whatever a lowering raised; the other lowerings of its wave are stopped and their files removed.
+    """
+    workers = max(1, default_workers() // at_once)
+    share = None if budget_gb is None else budget_gb / at_once
+    for first in range(0, len(socs), at_once):
+        wave = list(socs[first:first + at_once])
+        t0 = time.perf_counter()
+        started = []
+        results: dict[Soc, tuple[LoweredProgram, float]] = {}
+        if len(wave) > 1:
+            logger.info("Lowering %s side by side", ", ".join(soc.value for soc in wave))
+        with stage("lower " + "+".join(soc.value for soc in wave)), \
+                side_by_side_progress([f"Lowering for {wave[0].value}", *(soc.value for soc in wave[1:])], rss_mb) as parts:
+            try:
+                for soc, part in zip(wave, parts):
+                    path = program_file()
+                    started.append((soc, path, part, lowering.lower_forked(
+                        soc, weight_sharing=weight_sharing, workers=workers, memory_budget_gb=share, path=path,
+                        records=part,
+                    )))
+                waiting = list(started)
+                while waiting:
+                    for item in [item for item in waiting if item[3].finished()]:
+                        soc, _, part, forked = item
+                        waiting.remove(item)
+                        results[soc] = (forked.result(), time.perf_counter() - t0)
+                        part.finish()
+                    time.sleep(_POLL_SECONDS)
+            except BaseException:
+                for _, path, _, forked in started:
+                    forked.cancel()
+                    path.unlink(missing_ok=True)
+                raise
+        lowered([(soc, *results[soc]) for soc in wave])
