@@ -331,9 +331,13 @@ def multi_soc_section(rows: dict) -> str:
     """One export for four SoCs: what each SoC adds, against the first SoC's whole export."""
 
     def run_text(label: str, run: dict) -> str:
-        if "waves" in run:  # two exports: the first SoC alone, then all four (lowered side by side where they fit)
-            return (f"\n{label} (commit {run['commit']}): the first SoC alone {run['first_soc_export_s']:.1f} s, all four "
-                    f"{run['export_s']:.1f} s; **an extra SoC costs {run['marginal']:.2f}x** of the first.\n\n"
+        if "exports" in run:  # the first 1..4 SoCs, one export each (lowered side by side where they fit)
+            marginals = ["-", *(f"{row['marginal']:.2f}x" for row in run["socs"])]
+            return (f"\n{label} (commit {run['commit']}): **an extra SoC costs {run['marginal']:.2f}x** of the first SoC's "
+                    "export on average.\n\n"
+                    + markdown(["SoCs", "export (s)", "the last SoC's marginal cost"],
+                               [[" ".join(e["socs"]), f"{e['export_s']:.1f}", m] for e, m in zip(run["exports"], marginals)])
+                    + "\nThe four-SoC export's lowering, by wave:\n\n"
                     + markdown(["SoCs lowered at once", "lower stage (s)"],
                                [[" + ".join(w["socs"]), f"{w['lower_s']:.1f}"] for w in run["waves"]]) + "\n")
         return (f"\n{label} (commit {run['commit']}): shared stages {run['shared_s']:.1f} s, first SoC's whole export "
@@ -344,9 +348,9 @@ def multi_soc_section(rows: dict) -> str:
     return _runs_section(rows, "\n## One export, four SoCs: the cost of each extra SoC\n\n"
                          "benchmarks/multi_soc.py: `optimum-cli export qnn --soc SM8550 SM8650 SM8750 SM8850` (default flags "
                          "otherwise); load, calibration and quantization run once, then each SoC is lowered, inspected and "
-                         "written. Rows with a wave table (from side-by-side lowering on): two exports, the first SoC alone "
-                         "and all four, each timed as the sum of its stages; an extra SoC's marginal cost is their "
-                         "difference over 3, over the first. Rows labelled `one SoC after the other` lowered the SoCs in "
+                         "written. Rows with a table of exports (from side-by-side lowering on): four exports, of the first "
+                         "1, 2, 3 and 4 SoCs, each timed as the sum of its stages; the k-th SoC's marginal cost is the "
+                         "export of k SoCs less the export of k - 1, over the export of the first alone. Rows labelled `one SoC after the other` lowered the SoCs in "
                          "turn, and an SoC's marginal cost there is its own stages over the first SoC's whole export (the "
                          "shared stages plus its own). From 866bf35 the lowering's SoC-independent half (re-export, QNN's passes, "
                          "edge conversion: the `edge` stage) is one of the shared stages, and an SoC's own lowering is "
