@@ -243,15 +243,19 @@ def lowering_progress(desc: str, rss_mb: Callable[[], float] | None = None) -> I
 
 class _SideBySide:
     """Several lowerings on one line, e.g. ``Lowering for SM8550: 1/2 shards done | SM8650: partitioning kv_forward``:
-    one `LoweringProgress` per lowering (its records come from the forked child that runs it), one view for all."""
+    one `LoweringProgress` per lowering (its records come from the forked child that runs it), one view for all.
+    Each child's records arrive on its own relay thread: the view is updated under a lock, so two children's
+    records never interleave a line or both write the same one."""
 
     def __init__(self, descs: list[str], view) -> None:
         self.view = view
         self.parts = [LoweringProgress(desc, self) for desc in descs]
+        self._lock = threading.Lock()
 
     def update(self, _part: LoweringProgress) -> None:
         if self.view is not None:
-            self.view.update(self)
+            with self._lock:
+                self.view.update(self)
 
     def key(self) -> tuple:
         return tuple(part.key() for part in self.parts)
