@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.artifacts.writer import INDEX_NAME, ArtifactError, VariantWriter, check_output_folder, read_index, variant_name
+from optimum_qnn.artifacts.writer import INDEX_NAME, ArtifactError, BackgroundDigests, VariantWriter, check_output_folder, read_index, variant_name
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 from optimum_qnn.contract import DECODE_METHOD, AttentionKind, LayerSpec, RunnerContract
 from optimum_qnn.exporter.lowering import LoweredProgram
@@ -94,6 +94,24 @@ def test_variant_written_with_manifest_and_index(tmp_path, source, qnn_sdk):
     index = read_index(out)
     assert [v["path"] for v in index["variants"]] == ["qnn/sm8650/fp16-ctx24-kv"]
     assert (out / "config.json").is_file() and leftovers(out) == []
+
+
+def test_weight_files_hashed_in_the_background_make_the_same_manifest(tmp_path, source, qnn_sdk):
+    """The export hashes the checkpoint from the moment it is loaded (`BackgroundDigests`): the manifest's source
+    entries are the ones hashing at write time gives, and a file that cannot be hashed fails the write as it would
+    there, leaving nothing behind."""
+    (source / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    plain = read_manifest(writer(tmp_path / "a", source).write_variant("v", program(100), CONTRACT, CONFIG))
+    early = writer(tmp_path / "b", source)
+    early.weight_digests = BackgroundDigests(source, ["model.safetensors"])
+    manifest = read_manifest(early.write_variant("v", program(100), CONTRACT, CONFIG))
+    assert manifest.source.weight_files == plain.source.weight_files and plain.source.weight_files[0].size == 256 * 4096
+    assert manifest.program == manifest.files[0] and manifest.program.size == 100
+    missing = writer(tmp_path / "c", source)
+    missing.weight_digests = BackgroundDigests(source, ["model-00002.safetensors"])
+    with pytest.raises(ArtifactError, match="No such file"):
+        missing.write_variant("v", program(100), CONTRACT, CONFIG)
+    assert leftovers(tmp_path / "c") == []
 
 
 def test_manifest_hashes_the_root_files_the_variant_reads(tmp_path, source, qnn_sdk):

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from optimum_qnn.artifacts.writer import VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
+from optimum_qnn.artifacts.writer import BackgroundDigests, VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
 from optimum_qnn.quantization.calibration import CalibrationSource
 from optimum_qnn.config import ExportConfig, ExportMode
 from optimum_qnn.contract import RunnerContract
@@ -275,6 +275,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         hf_model, load_report = load_text_model(
             folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None, matrices_in_stored_dtype=stored
         )
+    # The manifest's SHA-256 of each weight file, hashed while the next stages run (a core idles in calibration).
+    digests = BackgroundDigests(folder, load_report.files) if output is not None else None
     shapes = config.shapes
     hybrid = config.mode is ExportMode.HYBRID
     with _stage(result, "swap"):
@@ -318,7 +320,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         del programs
     writer = VariantWriter(
         output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
-        load_report=load_report, tokenizer=tokenizer, text_config=static.text_config,
+        load_report=load_report, tokenizer=tokenizer, text_config=static.text_config, weight_digests=digests,
     )
     from optimum_qnn.artifacts.hub import write_model_card
     from optimum_qnn.artifacts.inspection import export_time_inspection
