@@ -133,16 +133,20 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
     group = MemoryCgroup(memory_limit_gb) if memory_limit_gb else None
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, preexec_fn=group.enter if group else None)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=group.enter if group else None)
+        meter = CpuMeter(proc)
         group_peak = group.peak_gb() if group else None
     finally:
         if group:
             group.remove()
     wall = time.perf_counter() - t0
-    log = proc.stdout + proc.stderr
+    log = meter.stdout + meter.stderr
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.log").write_text(log)
     result = parse_export(log, out, wall, proc.returncode)
+    result["stage_cpu_percent"] = meter.stage_cpu_percent(result["stages"])
+    result["lowering_steps"] = meter.lowering_steps()
     if group:
         result["memory_limit_gb"] = memory_limit_gb
         result["cgroup_peak_gb"] = group_peak  # the cgroup's own high-water mark: RSS plus the page cache it was charged
@@ -176,6 +180,90 @@ def parse_export(log: str, out: Path, wall: float | None, returncode: int = 0) -
         pte=str(pte), pte_gb=pte.stat().st_size / 2**30, components=components(pte),
     )
     return result
+
+
+class CpuMeter:
+    """Runs until ``proc`` ends: reads its stdout and stderr line by line, stamping each line with the time and the CPU
+    seconds its whole process tree had used by then (user + system of every live process under it, plus what the
+    ones it reaped used: /proc's utime, stime, cutime and cstime), and samples that CPU figure every half second.
+    From them: each stage's CPU share (CPU seconds over wall seconds, 200 % = both cores of two busy) and the
+    lowering's steps with theirs; no sampling of stacks, so nothing slows the export."""
+
+    _TICK = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.proc, self.t0 = proc, time.perf_counter()
+        self.samples: list[tuple[float, float]] = []  # (s since start, CPU s)
+        self.lines: list[tuple[float, float, str]] = []  # stderr lines: (s, CPU s, text)
+        self._lock = threading.Lock()
+        out: list[str] = []
+        err_reader = threading.Thread(target=self._read_err, daemon=True)
+        out_reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+        err_reader.start()
+        out_reader.start()
+        while proc.poll() is None:
+            self._sample()
+            time.sleep(0.5)
+        err_reader.join()
+        out_reader.join()
+        self.stdout, self.stderr = "".join(out), "".join(text for _, _, text in self.lines)
+
+    def _read_err(self) -> None:
+        for text in self.proc.stderr:
+            cpu = self._tree_cpu(self.proc.pid)
+            with self._lock:
+                self.lines.append((time.perf_counter() - self.t0, cpu, text))
+
+    def _sample(self) -> None:
+        cpu = self._tree_cpu(self.proc.pid)
+        with self._lock:
+            self.samples.append((time.perf_counter() - self.t0, cpu))
+
+    @classmethod
+    def _tree_cpu(cls, pid: int) -> float:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = [int(child) for child in f.read().split()]
+        except (OSError, ValueError, IndexError):  # ended meanwhile: its parent's cutime has it
+            return 0.0
+        own = sum(int(v) for v in fields[11:15]) / cls._TICK  # utime stime cutime cstime
+        return own + sum(cls._tree_cpu(child) for child in children)
+
+    def _cpu_at(self, t: float) -> float:
+        """The tree's CPU seconds at ``t`` (linear between the nearest samples and stamped lines)."""
+        points = sorted([*self.samples, *((s, c) for s, c, _ in self.lines)])
+        before = max((p for p in points if p[0] <= t), default=(0.0, 0.0))
+        after = min((p for p in points if p[0] >= t), default=before)
+        if after[0] == before[0]:
+            return before[1]
+        return before[1] + (after[1] - before[1]) * (t - before[0]) / (after[0] - before[0])
+
+    def stage_cpu_percent(self, stages: list) -> dict[str, float]:
+        """Each stage's CPU share: its line's stamp less its wall seconds is where it began."""
+        found = [(t, text) for t, _, text in self.lines if _STAGE.search(text)]
+        shares = {}
+        for (name, seconds, _), (t, _) in zip(stages, found):
+            if seconds >= 1:
+                shares[name] = 100 * (self._cpu_at(t) - self._cpu_at(t - seconds)) / seconds
+        return shares
+
+    def lowering_steps(self) -> list[tuple[str, float, float]]:
+        """The lowering's progress lines (`optimum_qnn.progress`, one per step and shard in a log), each with the wall
+        seconds and CPU share from it to the next line."""
+        steps = []
+        for i, (t, c, text) in enumerate(self.lines):
+            if not text.startswith("Lowering"):
+                continue
+            # to the next progress line, or the stage line that ends the lowering
+            t_next, c_next, _ = next((line for line in self.lines[i + 1:]
+                                      if line[2].startswith("Lowering") or _STAGE.search(line[2])), self.lines[-1])
+            if t_next > t:
+                steps.append((re.sub(r" \[.*\]$", "", text.strip()), t_next - t, 100 * (c_next - c) / (t_next - t)))
+        return steps
 
 
 class MemoryCgroup:
@@ -347,10 +435,16 @@ def main() -> int:
     if "failed" in result:
         store(rows_path(args.model), row_key(args), result)
         return 1
-    rows = ["| stage | wall s | peak RSS GB |", "|---|---|---|"]
-    rows += [f"| {name} | {s:.0f} | {gb:.1f} |" for name, s, gb in result["stages"]]
+    cpu = result.get("stage_cpu_percent", {})
+    rows = ["| stage | wall s | CPU % | peak RSS GB |", "|---|---|---|---|"]
+    rows += [f"| {name} | {s:.0f} | {cpu[name]:.0f} | {gb:.1f} |" if name in cpu else f"| {name} | {s:.0f} | - | {gb:.1f} |"
+             for name, s, gb in result["stages"]]
     rss = "-" if result["max_rss_gb"] is None else f"{result['max_rss_gb']:.1f}"
-    rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {rss} |")
+    total_cpu = "-" if result["cpu_percent"] is None else result["cpu_percent"]
+    rows.append(f"| **total** (process, /usr/bin/time) | {result['wall_s']:.0f} | {total_cpu} | {rss} |")
+    if result.get("lowering_steps"):
+        rows += ["", "| lowering step (to the next line) | wall s | CPU % |", "|---|---|---|"]
+        rows += [f"| {text} | {s:.0f} | {share:.0f} |" for text, s, share in result["lowering_steps"]]
     print(f"\nMachine: {os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM. Exporter: {result['memory_line']}")
     print("\n".join(rows))
     print(f"\n.pte: {result['pte_gb']:.2f} GiB ({result['pte']})")
