@@ -17,8 +17,9 @@ from tests.test_lowering import CONSTANTS, attention, hybrid_inputs  # noqa: F40
 
 def test_socs_at_once_counts_cores_memory_and_the_variable(monkeypatch):
     monkeypatch.delenv(SOCS_SIDE_BY_SIDE_VARIABLE, raising=False)
-    assert socs_at_once(4, 6.0, 21.0, cores=2) == 2  # the cores bound it
-    assert socs_at_once(4, 6.0, 21.0, cores=8) == 3  # the memory: three whole lowerings fit 21 GB
+    assert socs_at_once(4, 6.0, 21.0, cores=2) == 3  # the memory: three whole lowerings fit 21 GB
+    assert socs_at_once(4, 2.0, 21.0, cores=1) == 2  # the cores: two lowerings per core
+    assert socs_at_once(8, 2.0, 21.0, cores=2) == 4
     assert socs_at_once(2, 6.0, 21.0, cores=8) == 2  # the SoCs
     assert socs_at_once(4, 12.4, 14.1, cores=2) == 1  # a full-size Gemma-4-E2B in 16 GB: one at a time
     assert socs_at_once(4, 6.0, None, cores=2) == 1  # memory unknown: one at a time

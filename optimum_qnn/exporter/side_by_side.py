@@ -7,6 +7,13 @@ compile holds the GIL and is one thread). Measured on Gemma-4-E2B's widths at 2 
 one after the other): every extra SoC cost 0.63-0.93x of the first SoC's whole export, 73 s of it one QNN compile. Two
 lowerings side by side use both cores of a 2-core machine.
 
+Up to two lowerings per core run at once (memory permitting), not one: with one per core, SoCs beyond a multiple of the
+cores lower in a wave of their own and leave cores idle (at E2B widths, 2 layers, 2 cores: the third SoC of three cost
+0.73x of the first export, lowering alone after the first two), and the lowerings of one wave differ in length (SM8850's
+compile is the slowest), so the shorter ones' cores idle until the longest ends. With more lowerings than cores the
+kernel shares the cores among them: the same CPU work, no idle core. Each lowering's shard compiles get the cores left
+per lowering (at least one worker).
+
 Each child lowers its copy-on-write copy of the edge programs, exactly as the one-after-the-other path does
 (`EdgeLowering.lower(keep=True)`), so every SoC still gets the program a single-SoC export makes. The SoCs go in waves
 of ``at_once``; a wave's variants are written when the whole wave is lowered, in the order the SoCs were given.
@@ -32,18 +39,19 @@ logger = logging.getLogger(__name__)
 # OPTIMUM_QNN_SOCS_SIDE_BY_SIDE=1 lowers one SoC after the other (N: at most N at once).
 SOCS_SIDE_BY_SIDE_VARIABLE = "OPTIMUM_QNN_SOCS_SIDE_BY_SIDE"
 _POLL_SECONDS = 0.1
+LOWERINGS_PER_CORE = 2  # at most this many SoC lowerings per core at once (see the module's docstring)
 
 
 def socs_at_once(socs: int, lowering_gb: float, budget_gb: float | None, *, cores: int | None = None,
                  variable: str | None = None) -> int:
-    """How many SoC lowerings run at once: at most one per core and per SoC, and only as many as whole lowerings
-    (``lowering_gb``: the memory plan's estimate of the lower stage, this process included, so counted in full each
-    time) fit in the budget. 1 where fork is unavailable or the budget is unknown; ``variable`` (the environment's
-    OPTIMUM_QNN_SOCS_SIDE_BY_SIDE) caps it."""
+    """How many SoC lowerings run at once: one per SoC, at most `LOWERINGS_PER_CORE` per core, and only as many as
+    whole lowerings (``lowering_gb``: the memory plan's estimate of the lower stage, this process included, so counted
+    in full each time) fit in the budget. 1 where fork is unavailable or the budget is unknown; ``variable`` (the
+    environment's OPTIMUM_QNN_SOCS_SIDE_BY_SIDE) caps it."""
     if socs < 2 or budget_gb is None or lowering_gb <= 0 or not fork_available():
         return 1
     cores = default_workers() if cores is None else cores
-    at_once = min(socs, cores, int(budget_gb // lowering_gb))
+    at_once = min(socs, LOWERINGS_PER_CORE * cores, int(budget_gb // lowering_gb))
     text = os.environ.get(SOCS_SIDE_BY_SIDE_VARIABLE) if variable is None else variable
     if text:
         try:
@@ -69,15 +77,17 @@ def lower_side_by_side(
     wave, ``lowered(wave)`` gets (SoC, program, seconds its own lowering took) in the order of ``socs``; it writes the
     variants. ``program_file()`` gives a fresh staging path for each SoC's .pte (deleted here if the wave fails).
 
-    Each child compiles its shards with ``cores // at_once`` workers (at least 1) within ``budget_gb / at_once``.
+    Each child compiles its shards with the cores per lowering of its wave (at least 1 worker) within the budget per
+    lowering of its wave: a last wave of fewer SoCs gets more of each.
 
     Raises:
         whatever a lowering raised; the other lowerings of its wave are stopped and their files removed.
     """
-    workers = max(1, default_workers() // at_once)
-    share = None if budget_gb is None else budget_gb / at_once
+    cores = default_workers()
     for first in range(0, len(socs), at_once):
         wave = list(socs[first:first + at_once])
+        workers = max(1, cores // len(wave))
+        share = None if budget_gb is None else budget_gb / len(wave)
         t0 = time.perf_counter()
         started = []
         results: dict[Soc, tuple[LoweredProgram, float]] = {}
