@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from optimum_qnn.config import Soc
-from optimum_qnn.exporter.side_by_side import SOCS_SIDE_BY_SIDE_VARIABLE, socs_at_once
+from optimum_qnn.exporter.side_by_side import SOCS_SIDE_BY_SIDE_VARIABLE, socs_at_once, wave_sizes
 from tests.test_lowering import CONSTANTS, attention, hybrid_inputs  # noqa: F401 - fixtures
 
 
@@ -30,6 +30,13 @@ def test_socs_at_once_counts_cores_memory_and_the_variable(monkeypatch):
     monkeypatch.setenv(SOCS_SIDE_BY_SIDE_VARIABLE, "two")
     with pytest.raises(ValueError, match="OPTIMUM_QNN_SOCS_SIDE_BY_SIDE must be a whole number"):
         socs_at_once(4, 6.0, 21.0, cores=2)
+
+
+def test_waves_are_as_even_as_they_can_be():
+    assert wave_sizes(4, 3) == [2, 2]  # not 3 + 1: the last lowering would run alone on one core
+    assert wave_sizes(3, 3) == [3] and wave_sizes(4, 4) == [4] and wave_sizes(4, 2) == [2, 2]
+    assert wave_sizes(5, 3) == [3, 2] and wave_sizes(7, 3) == [3, 2, 2] and wave_sizes(3, 1) == [1, 1, 1]
+    assert wave_sizes(1, 2) == [1]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="lowerings side by side fork on Linux only")
