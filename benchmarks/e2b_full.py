@@ -387,6 +387,7 @@ def section(model: str = "e2b") -> str:
         for r in runs.values()])
     rows.append(["commit measured on"] + [r.get("commit", "not recorded") for r in runs.values()])
     table = "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+    table += cpu_tables(runs, names, label)
     return (
         f"## Full-size {TITLES[model]}, from the command users type\n\n"
         f"Measured (benchmarks/e2b_full.py) on {stored['machine']}: the published multimodal layout (`model_type` "
@@ -400,6 +401,29 @@ def section(model: str = "e2b") -> str:
         "time, nothing else running.\n\n"
         + table + "\n\n" + stored.get("notes", "") + "\n\n"
     )
+
+
+def cpu_tables(runs: dict, names: list[str], label) -> str:
+    """The CPU share of each stage and of each step of the lowering (`CpuMeter`), for the rows that measured them."""
+    measured = {key: run for key, run in runs.items() if run.get("stage_cpu_percent")}
+    if not measured:
+        return ""
+    lines = ["", "", "CPU share (CPU seconds of the export's process tree over wall seconds; 200 % = both cores busy), "
+             "by stage:", "", "| stage | " + " | ".join(f"{label(k, r)} ({r['commit']})" for k, r in measured.items()) + " |",
+             "|---" * (len(measured) + 1) + "|"]
+    for name in names:
+        cells = [f"{r['stage_cpu_percent'][name]:.0f} %" if name in r["stage_cpu_percent"] else "-" for r in measured.values()]
+        if any(c != "-" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| **whole export** (/usr/bin/time) | " + " | ".join(
+        f"{r['cpu_percent']} %" if r.get("cpu_percent") is not None else "-" for r in measured.values()) + " |")
+    for key, run in measured.items():
+        if run.get("lowering_steps"):
+            lines += ["", f"The lowering's steps, {label(key, run)} ({run['commit']}): each from its progress line to the next.",
+                      "", "| step | wall s | CPU |", "|---|---|---|"]
+            lines += [f"| {text.split(': ', 1)[-1]} | {seconds:.0f} | {share:.0f} % |"
+                      for text, seconds, share in run["lowering_steps"] if seconds >= 1]
+    return "\n".join(lines)
 
 
 def main() -> int:
