@@ -337,7 +337,7 @@ def multi_soc_section(rows: dict) -> str:
                     "export on average.\n\n"
                     + markdown(["SoCs", "export (s)", "the last SoC's marginal cost"],
                                [[" ".join(e["socs"]), f"{e['export_s']:.1f}", m] for e, m in zip(run["exports"], marginals)])
-                    + "\nThe four-SoC export's lowering, by wave:\n\n"
+                    + "\n\nThe four-SoC export's lowering, by wave:\n\n"
                     + markdown(["SoCs lowered at once", "lower stage (s)"],
                                [[" + ".join(w["socs"]), f"{w['lower_s']:.1f}"] for w in run["waves"]]) + "\n")
         return (f"\n{label} (commit {run['commit']}): shared stages {run['shared_s']:.1f} s, first SoC's whole export "
