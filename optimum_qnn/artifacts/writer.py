@@ -191,13 +191,13 @@ def _process_exists(pid: int) -> bool:
 
 
 class BackgroundDigests:
-    """The manifest entries (size, SHA-256) of a checkpoint's weight files, hashed in a thread from the moment the
-    export has loaded them, so the write stage does not read them again on one core. Gemma-4-E2B's checkpoint is
-    9.5 GB: hashed when its variant was written, it was most of that stage (21 s in a 16 GB cgroup, at 93 % CPU).
+    """The manifest entries (size, SHA-256) of a checkpoint's weight files, hashed in a thread while the export
+    goes on, so the write stage does not read them again on one core. Gemma-4-E2B's checkpoint is 9.5 GB: hashed when
+    its variant was written, it was most of that stage (21 s in a 16 GB cgroup, at 93 % CPU; 2 s without it).
 
-    The files were just read (their pages are in the page cache, where the loaded weights are mapped from) and the
-    stages after loading leave a core idle for a while (calibration: 120 % of 200 % at that size). On Linux the thread
-    runs at the lowest priority (nice 19, this thread only), so it takes only what the export leaves idle."""
+    The export starts it after the swap: the files were just read (their pages are in the page cache, where the
+    loaded weights are mapped from) and calibration leaves a core mostly idle (120 % of 200 % at that size). On Linux
+    the thread runs at the lowest priority (nice 19, this thread only), so it takes what the export leaves idle."""
 
     def __init__(self, folder: Path, names: list[str]) -> None:
         self._entries: list | None = None
