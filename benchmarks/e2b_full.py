@@ -411,7 +411,8 @@ def cpu_tables(runs: dict, names: list[str], label) -> str:
     lines = ["", "", "CPU share (CPU seconds of the export's process tree over wall seconds; 200 % = both cores busy), "
              "by stage:", "", "| stage | " + " | ".join(f"{label(k, r)} ({r['commit']})" for k, r in measured.items()) + " |",
              "|---" * (len(measured) + 1) + "|"]
-    for name in names:
+    order = list(dict.fromkeys(name for run in measured.values() for name, _, _ in run["stages"]))  # as they ran
+    for name in [*order, *(n for n in names if n not in order)]:
         cells = [f"{r['stage_cpu_percent'][name]:.0f} %" if name in r["stage_cpu_percent"] else "-" for r in measured.values()]
         if any(c != "-" for c in cells):
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
