@@ -77,8 +77,7 @@ class Forked(Generic[T]):
 
     def finished(self) -> bool:
         """Whether the child has ended, so that `result()` returns without waiting."""
-        # WNOWAIT: the child stays a zombie (its pid reserved) until `result()` reaps it.
-        return self._reaped or os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        return self._reaped or parallel_compile.exited(self.pid)  # reaped by `result()`
 
     def cancel(self) -> None:
         """Kill the child (if it still runs) and let go of its files."""

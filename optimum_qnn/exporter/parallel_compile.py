@@ -77,6 +77,12 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def exited(pid: int) -> bool:
+    """Whether the child ``pid`` has ended, without reaping it: WNOWAIT keeps the pid reserved (a zombie) until its
+    parent waits for it, so the memory sampler never reads a recycled pid."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
 def default_workers() -> int:
     """The cores this process may run on (its CPU affinity), or 1 where workers cannot be forked."""
     if not fork_available():
@@ -296,8 +302,7 @@ class _WorkerPool:
 
     @staticmethod
     def _finished(pid: int) -> bool:
-        # WNOWAIT: the pid stays reserved (a zombie) until `_reap`, so the sampler never reads a recycled pid.
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        return exited(pid)
 
     def _reap(self, pid: int, binaries: list) -> None:
         shard, params = self.running.pop(pid)
