@@ -97,8 +97,8 @@ def test_variant_written_with_manifest_and_index(tmp_path, source, qnn_sdk):
 
 
 def test_weight_files_hashed_in_the_background_make_the_same_manifest(tmp_path, source, qnn_sdk):
-    """The export hashes the checkpoint from the moment it is loaded (`BackgroundDigests`): the manifest's source
-    entries are the ones hashing at write time gives, and a file that cannot be hashed fails the write as it would
+    """The export hashes the checkpoint in the background from the swap on (`BackgroundDigests`): the manifest's
+    source entries are the ones hashing at write time gives, and a file that cannot be hashed fails the write as it would
     there, leaving nothing behind."""
     (source / "model.safetensors").write_bytes(bytes(range(256)) * 4096)
     plain = read_manifest(writer(tmp_path / "a", source).write_variant("v", program(100), CONTRACT, CONFIG))

@@ -1,5 +1,5 @@
-"""Lower several SoCs of one export side by side: each SoC's lowering in its own forked child, as many at once as
-the cores and the memory budget allow.
+"""Lower several SoCs of one export side by side: each SoC's lowering in its own forked child, up to two per core
+and as many as the memory budget allows.
 
 Why: after the SoC-independent part (`EdgeLowering.prepare`), a SoC's lowering is the QNN op check, the
 partitioning, the compile and the serialization, and for a model of one shard most of it runs on one core (the
@@ -84,9 +84,10 @@ def lower_side_by_side(
     stage: Callable[[str], ContextManager] = contextlib.nullcontext,
     rss_mb: Callable[[], float] | None = None,
 ) -> None:
-    """Lower ``socs`` in waves of at most ``at_once`` forked children (`wave_sizes`), each wave inside ``stage("lower A+B")``. After each
-    wave, ``lowered(wave)`` gets (SoC, program, seconds its own lowering took) in the order of ``socs``; it writes the
-    variants. ``program_file()`` gives a fresh staging path for each SoC's .pte (deleted here if the wave fails).
+    """Lower ``socs`` in waves of at most ``at_once`` forked children (`wave_sizes`), each wave inside
+    ``stage("lower A+B")``. After each wave, ``lowered(wave)`` gets (SoC, program, seconds its own lowering took) in
+    the order of ``socs``; it writes the variants. ``program_file()`` gives a fresh staging path for each SoC's .pte
+    (deleted here if the wave fails).
 
     Each child compiles its shards with the cores per lowering of its wave (at least 1 worker) within the budget per
     lowering of its wave: a last wave of fewer SoCs gets more of each.
