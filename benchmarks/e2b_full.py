@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import e2b_width  # noqa: E402
+from cpu_meter import STAGE_LINE, CpuMeter  # noqa: E402
 
 CACHE = Path(os.environ.get("OPTIMUM_QNN_CACHE", Path.home() / ".cache" / "optimum-qnn"))
 RECIPE_VERSION = 1
@@ -106,9 +107,6 @@ def build(folder: Path, seed: int = 0, model: str = "e2b") -> Path:
     return folder
 
 
-_STAGE = re.compile(r"\[(?P<name>[\w +]+)\] done in (?P<s>[\d.]+) s, peak RSS (?P<mb>\d+) MB(?: \(anonymous (?P<anon>\d+) MB\))?")
-
-
 PROFILE_RATE = 20  # py-spy samples per second (benchmarks/lowering_profile.py reads the profile)
 
 
@@ -160,7 +158,7 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
 def parse_export(log: str, out: Path, wall: float | None, returncode: int = 0) -> dict:
     """What an export's log (under `/usr/bin/time -v`) and its artifact folder show: the stage lines, wall time
     (``wall``, or else time's elapsed), peak RSS, CPU share and the (first) .pte's components."""
-    found = list(_STAGE.finditer(log))
+    found = list(STAGE_LINE.finditer(log))
     memory = next((line for line in log.splitlines() if "Memory:" in line), "")
     if wall is None:
         elapsed = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", log)
@@ -180,90 +178,6 @@ def parse_export(log: str, out: Path, wall: float | None, returncode: int = 0) -
         pte=str(pte), pte_gb=pte.stat().st_size / 2**30, components=components(pte),
     )
     return result
-
-
-class CpuMeter:
-    """Runs until ``proc`` ends: reads its stdout and stderr line by line, stamping each line with the time and the CPU
-    seconds its whole process tree had used by then (user + system of every live process under it, plus what the
-    ones it reaped used: /proc's utime, stime, cutime and cstime), and samples that CPU figure every half second.
-    From them: each stage's CPU share (CPU seconds over wall seconds, 200 % = both cores of two busy) and the
-    lowering's steps with theirs; no sampling of stacks, so nothing slows the export."""
-
-    _TICK = os.sysconf("SC_CLK_TCK")
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        import threading
-
-        self.proc, self.t0 = proc, time.perf_counter()
-        self.samples: list[tuple[float, float]] = []  # (s since start, CPU s)
-        self.lines: list[tuple[float, float, str]] = []  # stderr lines: (s, CPU s, text)
-        self._lock = threading.Lock()
-        out: list[str] = []
-        err_reader = threading.Thread(target=self._read_err, daemon=True)
-        out_reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-        err_reader.start()
-        out_reader.start()
-        while proc.poll() is None:
-            self._sample()
-            time.sleep(0.5)
-        err_reader.join()
-        out_reader.join()
-        self.stdout, self.stderr = "".join(out), "".join(text for _, _, text in self.lines)
-
-    def _read_err(self) -> None:
-        for text in self.proc.stderr:
-            cpu = self._tree_cpu(self.proc.pid)
-            with self._lock:
-                self.lines.append((time.perf_counter() - self.t0, cpu, text))
-
-    def _sample(self) -> None:
-        cpu = self._tree_cpu(self.proc.pid)
-        with self._lock:
-            self.samples.append((time.perf_counter() - self.t0, cpu))
-
-    @classmethod
-    def _tree_cpu(cls, pid: int) -> float:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                children = [int(child) for child in f.read().split()]
-        except (OSError, ValueError, IndexError):  # ended meanwhile: its parent's cutime has it
-            return 0.0
-        own = sum(int(v) for v in fields[11:15]) / cls._TICK  # utime stime cutime cstime
-        return own + sum(cls._tree_cpu(child) for child in children)
-
-    def _cpu_at(self, t: float) -> float:
-        """The tree's CPU seconds at ``t`` (linear between the nearest samples and stamped lines)."""
-        points = sorted([*self.samples, *((s, c) for s, c, _ in self.lines)])
-        before = max((p for p in points if p[0] <= t), default=(0.0, 0.0))
-        after = min((p for p in points if p[0] >= t), default=before)
-        if after[0] == before[0]:
-            return before[1]
-        return before[1] + (after[1] - before[1]) * (t - before[0]) / (after[0] - before[0])
-
-    def stage_cpu_percent(self, stages: list) -> dict[str, float]:
-        """Each stage's CPU share: its line's stamp less its wall seconds is where it began."""
-        found = [(t, text) for t, _, text in self.lines if _STAGE.search(text)]
-        shares = {}
-        for (name, seconds, _), (t, _) in zip(stages, found):
-            if seconds >= 1:
-                shares[name] = 100 * (self._cpu_at(t) - self._cpu_at(t - seconds)) / seconds
-        return shares
-
-    def lowering_steps(self) -> list[tuple[str, float, float]]:
-        """The lowering's progress lines (`optimum_qnn.progress`, one per step and shard in a log), each with the wall
-        seconds and CPU share from it to the next line."""
-        steps = []
-        for i, (t, c, text) in enumerate(self.lines):
-            if not text.startswith("Lowering"):
-                continue
-            # to the next progress line, or the stage line that ends the lowering
-            t_next, c_next, _ = next((line for line in self.lines[i + 1:]
-                                      if line[2].startswith("Lowering") or _STAGE.search(line[2])), self.lines[-1])
-            if t_next > t:
-                steps.append((re.sub(r" \[.*\]$", "", text.strip()), t_next - t, 100 * (c_next - c) / (t_next - t)))
-        return steps
 
 
 class MemoryCgroup:
