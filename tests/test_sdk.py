@@ -450,6 +450,19 @@ def test_importing_the_package_does_not_import_torch(run_python):
     assert result.returncode == 0, result.stderr
 
 
+def test_building_a_quantizer_downloads_nothing(run_python, tmp_path):
+    # Without QNN_SDK_ROOT, ExecuTorch's setup (on QnnQuantizer) downloads a QAIRT SDK and LLVM's libc++ from the
+    # internet; the quantizer of this package sets the registry libraries up first, so its downloader never loads.
+    code = (
+        "import sys\n"
+        "from optimum_qnn.quantization.pt2e import make_quantizer\n"
+        "make_quantizer('16a4w_block')\n"
+        "assert 'executorch.backends.qualcomm.scripts.download_qnn_sdk' not in sys.modules\n"
+    )
+    result = run_python("-c", code, env={"OPTIMUM_QNN_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+
+
 def test_user_sdk_folder_is_honoured(run_python, qnn_sdk, tmp_path):
     # A fake QAIRT layout: the real libraries, symlinked one by one into lib/x86_64-linux-clang.
     lib_dir = tmp_path / "qairt" / "lib" / "x86_64-linux-clang"

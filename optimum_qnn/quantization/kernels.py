@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-_ROWS_PER_CHUNK_ELEMENTS = 1 << 24  # per-channel quantization runs on about 16 M values at a time (64 MB fp32)
+_ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # per-channel quantization runs on about 4 M values at a time (16 MB fp32)
 
 
 @contextlib.contextmanager

@@ -254,10 +254,14 @@ def make_quantizer(
 
     Raises:
         ValueError: for `fp16`, an unknown scheme, or a block size that is not positive.
+        QnnSdkError: no QNN libraries to set ExecuTorch's Qualcomm backend up with (`optimum_qnn.sdk.ensure_qnn_sdk`).
 
     Example:
         >>> quantizer = make_quantizer("16a4w_block", block_size=32, overrides={"lm_head": "16a8w"})
     """
+    from optimum_qnn.sdk import ensure_qnn_sdk
+
+    ensure_qnn_sdk()  # before QnnQuantizer: without QNN_SDK_ROOT, ExecuTorch's setup downloads an SDK and libc++
     from executorch.backends.qualcomm.quantizer.quant_recipe import QuantGranularity, QuantRecipe
     from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
     from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
