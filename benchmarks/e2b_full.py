@@ -142,6 +142,8 @@ def run_export(model: Path, out: Path, soc: str | Sequence[str], quant: str | Se
     log = meter.stdout + meter.stderr
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.log").write_text(log)
+    # each stderr line with its time and the tree's CPU seconds then, e.g. when the compile gate waited (with -v)
+    (out.parent / f"{out.name}.stamped.log").write_text("".join(f"{s:7.1f} s {c:7.1f} CPU s  {text}" for s, c, text in meter.lines))
     result = parse_export(log, out, wall, proc.returncode)
     result["stage_cpu_percent"] = meter.stage_cpu_percent(result["stages"])
     result["lowering_steps"] = meter.lowering_steps()

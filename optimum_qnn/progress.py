@@ -47,23 +47,37 @@ def bar(iterable: Iterable, desc: str, unit: str, *, enabled: bool = True) -> It
     return tqdm(iterable, desc=desc, unit=unit, disable=None if enabled else True)  # None: off unless a tty
 
 
+class _ToProgress(logging.Filter):
+    """On a progress logger: its progress records go to ``progress`` only (a display, not the console handlers
+    above, which show every optimum_qnn record); the others go on as before the display lowered the logger's level
+    to INFO, e.g. the compile gate's decisions (`parallel_compile`) with ``-v``."""
+
+    def __init__(self, progress: LoweringProgress | None, level: int) -> None:
+        super().__init__()
+        self.progress, self.level = progress, level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.progress is not None and record.levelno >= logging.INFO and self.progress.take(record):
+            return False
+        return record.levelno >= self.level
+
+
 @contextlib.contextmanager
-def progress_lines_to(handler: logging.Handler) -> Iterator[None]:
-    """Within the block, the records of the progress loggers (INFO and up) go to ``handler`` only: a progress
-    display, not the console handlers above, which show every optimum_qnn record."""
+def progress_lines_to(progress: LoweringProgress) -> Iterator[None]:
+    """Within the block, the progress records of the progress loggers (INFO) go to ``progress`` only; their other
+    records reach the handlers above as they did before the block."""
     loggers = [logging.getLogger(name) for name in _PROGRESS_LOGGERS]
-    saved = [(source.level, source.propagate) for source in loggers]
-    for source in loggers:
-        source.addHandler(handler)
+    saved = [source.level for source in loggers]
+    filters = [_ToProgress(progress, source.getEffectiveLevel()) for source in loggers]
+    for source, divert in zip(loggers, filters):
+        source.addFilter(divert)
         source.setLevel(min(source.getEffectiveLevel(), logging.INFO))
-        source.propagate = False
     try:
         yield
     finally:
-        for source, (level, propagate) in zip(loggers, saved):
-            source.removeHandler(handler)
+        for source, level, divert in zip(loggers, saved, filters):
+            source.removeFilter(divert)
             source.setLevel(level)
-            source.propagate = propagate
 
 
 @contextlib.contextmanager
@@ -80,7 +94,7 @@ def relayed_progress_loggers(pipe) -> Iterator[None]:
             except (OSError, ValueError):  # the parent stopped reading: progress is not worth failing for
                 pass
 
-    relay = _PipeHandler(logging.INFO)
+    relay = _PipeHandler()  # every record the loggers make: the parent's loggers decide what shows
     loggers = [logging.getLogger(name) for name in (*_PROGRESS_LOGGERS, QNN_PREPROCESS_LOGGER)]
     removed, propagate = [], [source.propagate for source in loggers]
     for source in loggers:
@@ -88,6 +102,9 @@ def relayed_progress_loggers(pipe) -> Iterator[None]:
         for handler in [h for h in source.handlers if isinstance(h, LoweringProgress)]:
             source.removeHandler(handler)
             removed.append((source, handler))
+        for divert in [f for f in source.filters if isinstance(f, _ToProgress)]:  # the parent's display
+            source.removeFilter(divert)
+            removed.append((source, divert))
         source.addHandler(relay)
     try:
         yield
@@ -95,8 +112,8 @@ def relayed_progress_loggers(pipe) -> Iterator[None]:
         for source, flag in zip(loggers, propagate):
             source.removeHandler(relay)
             source.propagate = flag
-        for source, handler in removed:
-            source.addHandler(handler)
+        for source, taken in removed:
+            (source.addFilter if isinstance(taken, _ToProgress) else source.addHandler)(taken)
 
 
 class LoweringProgress(logging.Handler):
@@ -115,14 +132,19 @@ class LoweringProgress(logging.Handler):
         self.n, self.total = 0, None
 
     def emit(self, record: logging.LogRecord) -> None:
+        self.take(record)
+
+    def take(self, record: logging.LogRecord) -> bool:
+        """Show ``record`` if it says where the lowering is; whether it did."""
         message = record.getMessage()
         if step := self._STEP.fullmatch(message):
             if self.total:  # a step after the shards: they are all compiled
                 self.n = self.total
             self.step, self.activity = step.group(1), ""
         elif not self._shard_record(message):
-            return
+            return False
         self._show()
+        return True
 
     def _shard_record(self, message: str) -> bool:
         if compiled := self._COMPILED.fullmatch(message):
@@ -270,9 +292,12 @@ def side_by_side_progress(descs: list[str], rss_mb: Callable[[], float] | None =
     yields one `LoweringProgress` per lowering, for its child's records (`optimum_qnn.exporter.forked.Forked`'s
     ``records``); `finish()` each as its lowering returns. Without a stderr file descriptor nothing is shown."""
     # The children inherit these loggers' levels: at INFO, their steps reach the pipe (`relayed_progress_loggers`).
+    # Here their other records (`forked._relay_records`) show as they would have before the levels were lowered.
     loggers = [logging.getLogger(name) for name in (*_PROGRESS_LOGGERS, QNN_PREPROCESS_LOGGER)]
     levels = [source.level for source in loggers]
-    for source in loggers:
+    gates = [_ToProgress(None, source.getEffectiveLevel()) for source in loggers]
+    for source, gate in zip(loggers, gates):
+        source.addFilter(gate)
         source.setLevel(min(source.getEffectiveLevel(), logging.INFO))
     try:
         try:
@@ -287,5 +312,6 @@ def side_by_side_progress(descs: list[str], rss_mb: Callable[[], float] | None =
             view.close()
             stream.close()
     finally:
-        for source, level in zip(loggers, levels):
+        for source, level, gate in zip(loggers, levels, gates):
+            source.removeFilter(gate)
             source.setLevel(level)

@@ -139,3 +139,63 @@ def test_item_bars_only_in_a_terminal(tmp_path, monkeypatch, tty):
         stream.close()
         if master is not None:
             os.close(master)
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+GATE = "Waiting for a compile to finish: about 9000 MiB needed"  # an INFO record of the compile gate, not progress
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_display_takes_progress_records_and_passes_the_others_on(tmp_path, monkeypatch, verbose):
+    """During a lowering the progress records go to its display only; the compile gate's other records (on the same
+    logger) reach the console with -v (the root logger at INFO), and stay hidden without it, as outside a lowering."""
+    log = (tmp_path / "stderr.log").open("w+")
+    monkeypatch.setattr(sys, "stderr", log)
+    root, kept = logging.getLogger(), _Kept()
+    monkeypatch.setattr(root, "level", logging.INFO if verbose else logging.WARNING)
+    root.addHandler(kept)
+    try:
+        with lowering_progress("Lowering for SM8650"):
+            WORKERS.info(PREPARING_MESSAGE, 2, 2)
+            WORKERS.info(GATE)
+            WORKERS.info(COMPILED_MESSAGE, 1, 2)
+        WORKERS.info(GATE)  # outside the lowering: the same
+    finally:
+        root.removeHandler(kept)
+    assert kept.messages == ([GATE, GATE] if verbose else [])
+    log.seek(0)
+    assert "1/2 shards done" in log.read()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_side_by_side_lowering_relays_progress_to_its_part_and_the_rest_to_the_loggers(monkeypatch, verbose):
+    """What a forked lowering sends its parent (`forked._relay_records`): its progress records to its part of the
+    side-by-side display, its other records to the parent's loggers at the level they had before the display."""
+    import pickle
+
+    from optimum_qnn.exporter.forked import _relay_records
+    from optimum_qnn.progress import side_by_side_progress
+
+    root, kept = logging.getLogger(), _Kept()
+    monkeypatch.setattr(root, "level", logging.INFO if verbose else logging.WARNING)
+    root.addHandler(kept)
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "wb") as pipe:
+        for message in (PREPARING_MESSAGE % (1, 2), GATE, COMPILED_MESSAGE % (1, 2)):
+            pickle.dump((WORKERS.name, logging.INFO, message), pipe)
+        pickle.dump((WORKERS.name, logging.DEBUG, "Shard 1/2: compiling in worker 7"), pipe)
+    try:
+        with side_by_side_progress(["SM8550", "SM8650"]) as parts:
+            _relay_records(read_fd, parts[1])
+    finally:
+        root.removeHandler(kept)
+    assert parts[1].line() == "SM8650: 1/2 shards done, preparing shard 1" and parts[0].line() == "SM8550"
+    assert kept.messages == ([GATE] if verbose else [])

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from optimum_qnn.exporter import parallel_compile
-from optimum_qnn.progress import relayed_progress_loggers
+from optimum_qnn.progress import LoweringProgress, relayed_progress_loggers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,7 +55,7 @@ class Forked(Generic[T]):
     """``fn()`` running in a forked child while this process goes on; `result()` waits for it (see `run_forked`).
     A `Forked` that is never waited for is killed by `cancel()` (or with this process: `die_with_parent`)."""
 
-    def __init__(self, fn: Callable[[], T], what: str, memory_hint: str = "", records: logging.Handler | None = None):
+    def __init__(self, fn: Callable[[], T], what: str, memory_hint: str = "", records: LoweringProgress | None = None):
         self.what, self.memory_hint = what, memory_hint
         self._folder = tempfile.TemporaryDirectory(prefix="optimum-qnn-fork-")
         self._result_path = Path(self._folder.name) / "result.pickle"
@@ -155,18 +155,20 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError("".join(traceback.format_exception(error)))
 
 
-def _relay_records(read_fd: int, records: logging.Handler | None = None) -> None:
-    """Hand the child's progress records to ``records`` (one lowering's display among several side by side), or
-    to this process's loggers (and so to its progress display)."""
+def _relay_records(read_fd: int, records: LoweringProgress | None = None) -> None:
+    """Hand the child's progress records to ``records`` (one lowering's display among several side by side), and
+    the others (or all, without ``records``) to this process's loggers (and so to its progress display)."""
     with os.fdopen(read_fd, "rb") as pipe:
         while True:
             try:
                 name, level, message = pickle.load(pipe)
             except (EOFError, pickle.UnpicklingError, OSError):
                 return
-            if records is None:
-                logging.getLogger(name).log(level, "%s", message)
-            else:
-                records.handle(logging.makeLogRecord(
-                    {"name": name, "levelno": level, "levelname": logging.getLevelName(level), "msg": message}
-                ))
+            record = logging.makeLogRecord(
+                {"name": name, "levelno": level, "levelname": logging.getLevelName(level), "msg": message}
+            )
+            if records is not None and records.take(record):  # a progress record of this lowering's display
+                continue
+            source = logging.getLogger(name)
+            if source.isEnabledFor(level):
+                source.handle(record)  # through its filters (a display's, a level gate)

@@ -274,12 +274,15 @@ class _WorkerPool:
         private = {pid: _private_kb(pid) for pid in self.running}
         pending = sum(max(0, p * self.bytes_per_param / 1024 - private[pid]) for pid, (_, p) in self.running.items())
         need = params * self.bytes_per_param / 1024 + pending
-        available = _available_kb()
-        if self.budget_kb is not None:
-            available = min(available, self.budget_kb - resident_kb()[1] - sum(private.values()))
+        system = _available_kb()
+        budget = float("inf") if self.budget_kb is None else self.budget_kb - resident_kb()[1] - sum(private.values())
+        available = min(system, budget)
         if available >= need:
             return True
-        logger.debug("Waiting for a compile to finish: %.0f MiB available, about %.0f MiB needed", available / 1024, need / 1024)
+        logger.info("Waiting for a compile to finish: about %.0f MiB needed (%.0f for the next shard at %.1f bytes per "
+                    "parameter, %.0f still to come from the running ones), %.0f MiB available to the system, %.0f left "
+                    "in the budget", need / 1024, params * self.bytes_per_param / 1024, self.bytes_per_param,
+                    pending / 1024, system / 1024, budget / 1024)
         return False
 
     def collect(self, binaries: list) -> None:
@@ -333,7 +336,7 @@ class _WorkerPool:
         if params:
             self.bytes_per_param = max(self.bytes_per_param, grown_kb * 1024 / params)
         self.compile_cpu_seconds += seconds
-        logger.debug("Shard %d/%d compiled in %.1f CPU s, its worker grew by %.0f MiB (%d parameters)",
+        logger.info("Shard %d/%d compiled in %.1f CPU s, its worker grew by %.0f MiB (%d parameters)",
                      shard + 1, self.shards, seconds, grown_kb / 1024, params)
 
     def count_done(self) -> None:
