@@ -37,16 +37,19 @@ def quiet_native_output() -> Iterator[_NativeLog]:
     """Collect what the QNN compiler prints (per-op INFO lines, progress bars written straight to the process's
     stdout/stderr by the C++ libraries) instead of flooding the terminal; re-emit it if lowering fails.
 
-    Python loggers of executorch are held at WARNING meanwhile (it configures INFO logging of every partitioned op).
+    Python loggers of executorch are held at WARNING meanwhile (it configures INFO logging of every partitioned op);
+    this project's keep their level, and the console's log handler its terminal.
     """
-    root = logging.getLogger()
-    level = root.level
+    root, ours = logging.getLogger(), logging.getLogger("optimum_qnn")
+    level, our_level = root.level, ours.level
+    ours.setLevel(ours.getEffectiveLevel())  # this project's records keep their level (INFO with -v)
     root.setLevel(max(level, logging.WARNING))
     try:
         with _captured_fds(tail=20000) as log:
             yield log
     finally:
         root.setLevel(level)
+        ours.setLevel(our_level)
 
 
 @contextlib.contextmanager
@@ -67,6 +70,10 @@ def _captured_fds(tail: int) -> Iterator[_NativeLog]:
     log = _NativeLog()
     flush_output()
     saved = os.dup(1), os.dup(2)
+    # The log handlers that write to stderr's file descriptor (the console's with -v) keep writing to the real one.
+    console = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and _fileno(h.stream) == 2]
+    real = os.fdopen(os.dup(saved[1]), "w", buffering=1) if console else None
+    streams = [h.setStream(real) for h in console]
     with tempfile.TemporaryFile(mode="w+b") as sink:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
@@ -82,8 +89,19 @@ def _captured_fds(tail: int) -> Iterator[_NativeLog]:
             _restore(saved)
             os.close(saved[0])
             os.close(saved[1])
+            for handler, stream in zip(console, streams):
+                handler.setStream(stream)
+            if real is not None:
+                real.close()
         sink.seek(0)
         log.text = sink.read().decode(errors="replace")
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a StringIO, pytest's capture)
+        return None
 
 
 def flush_output() -> None:

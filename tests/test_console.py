@@ -76,3 +76,38 @@ def test_generation_from_python_holds_back_the_qnn_runtime_lines(demo_kv_export,
     destroyed = lines.index("[INFO] [Qnn ExecuTorch]: Destroy Qnn context")
     # freed with the model (before END), or by the program's finalizer at exit (after it)
     assert (destroyed < lines.index("END")) == (ending == "free"), lines
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_console_log_reaches_the_terminal_while_qnn_s_output_is_held_back(tmp_path, verbose):
+    """During a lowering (`quiet_native_output`) what the C++ libraries write to file descriptor 2 is held back, but
+    the console's log handler (on that descriptor with -v) still writes there: this project's records keep their
+    level (INFO with -v: the compile gate's decisions), executorch's are held at WARNING."""
+    import logging
+    import os
+
+    from optimum_qnn.native_output import quiet_native_output
+
+    terminal = tmp_path / "terminal"
+    saved = os.dup(2)
+    root = logging.getLogger()
+    level = root.level
+    with terminal.open("w") as f:
+        os.dup2(f.fileno(), 2)
+    handler = logging.StreamHandler(os.fdopen(2, "w", closefd=False))
+    try:
+        root.addHandler(handler)
+        root.setLevel(logging.INFO if verbose else logging.WARNING)
+        with quiet_native_output():
+            os.write(2, b"QnnDsp <I> a native line\n")
+            logging.getLogger("optimum_qnn.exporter.parallel_compile").info("Waiting for a compile to finish")
+            logging.getLogger("executorch.exir").info("a pass ran")
+            logging.getLogger("optimum_qnn.exporter.lowering").warning("a warning")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        os.dup2(saved, 2)
+        os.close(saved)
+    shown = terminal.read_text()
+    assert "native line" not in shown and "a pass ran" not in shown and "a warning" in shown
+    assert ("Waiting for a compile to finish" in shown) is verbose
