@@ -150,6 +150,43 @@ def test_at_most_workers_compile_at_once(tmp_path):
     assert max(int((tmp_path / f"seen{i}").read_text()) for i in range(4)) <= 2
 
 
+def test_a_shard_counts_the_weights_its_ops_read_once():
+    """What a shard's compile is expected to take: the weights its graphs read, each once across its methods (the
+    same memory under other tensor objects), not a weight no op reads (ExecuTorch leaves the token table among the
+    first shard's inputs)."""
+
+    class Shard(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.read = nn.Parameter(torch.randn(64, 32))
+            self.unread = nn.Parameter(torch.randn(1000, 32))
+
+        def forward(self, x):
+            return x @ self.read.T
+
+    module = Shard()
+    methods = [torch.export.export(module, (torch.randn(n, 32),)) for n in (1, 4)]
+    for name, tensor in methods[1].state_dict.items():
+        methods[1].state_dict[name] = tensor.detach()  # another object over the same memory
+    assert methods[1].state_dict["read"] is not module.read
+    assert parallel_compile._shard_params(methods) == 64 * 32
+
+
+@pytest.mark.parametrize("room, order", [
+    (float("inf"), [2, 0, 1]),  # room for all: the lm_head shard first, the others compile beside it
+    (1200, [0, 1, 2]),  # full-size E2B in 16 GB: it fits beside neither other one, the two others fit together
+    (800, [2, 0, 1]),  # the two others do not fit together either: one at a time, whatever the order
+    (1700, [2, 0, 1]),  # it fits beside the largest other one
+])
+def test_the_lm_head_shard_goes_first_unless_nothing_fits_beside_it(room, order):
+    """Shards of 432 M, 470 M and 1107 M parameters (full-size Gemma-4-E2B in 3 shards), ``room`` M parameters of
+    compiler working set left."""
+    params = [432_000_000, 470_000_000, 1_107_000_000]
+    assert parallel_compile.compile_order(3, params, room * 1_000_000) == order
+    assert parallel_compile.compile_order(2, params[1:], 100) == [1, 0]  # a single other shard: nothing to pair
+    assert parallel_compile.compile_order(3) == [2, 0, 1]
+
+
 @needs_fork
 def test_no_new_worker_while_memory_does_not_cover_it(monkeypatch):
     """With MemAvailable below what a shard is expected to take, a worker starts only when the others are done."""

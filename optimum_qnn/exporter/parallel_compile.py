@@ -8,7 +8,7 @@ overlap it. Measured on 7 layers at Gemma-4-E2B widths (16a4w_block, hybrid, 7 s
 How: for shard i the parent builds the op wrappers of every method in its QNN context (Python, as ExecuTorch does),
 then forks. The child inherits that context and those wrappers, runs `Compile`, writes the context binary to a file
 and leaves with `os._exit`; the parent drops its context and builds the next shard meanwhile. The last shard (the
-lm_head's) goes first: its compile is the longest (`compile_order`).
+lm_head's) goes first, its compile being the longest, unless memory leaves nothing to run beside it (`compile_order`).
 
 What differs from the sequential path: libQnnHtp numbers the tensors and graphs of a context from process-wide
 counters that preparing and compiling a shard advance; a worker starts from the parent's counters, which no compile
@@ -175,8 +175,14 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
     graph_names = list(edge_programs)
     pool = _WorkerPool(workers, shards, budget_gb)
     binaries: list[bytes | list[bytes]] = [b""] * shards
+    params = [_shard_params(programs[i] for programs in edge_programs.values()) for i in range(shards)]
+    room = pool.room_kb()
+    order = compile_order(shards, params, room / pool.bytes_per_param * 1024)
+    if order[0] != shards - 1:
+        logger.info("The last shard (%.0f M parameters) compiles last: in the %.0f MiB left it fits beside no other "
+                    "shard, and the others fit side by side", params[-1] / 1e6, room / 1024)
     try:
-        for i in compile_order(shards):
+        for i in order:
             logger.info(PREPARING_MESSAGE, i + 1, shards)  # progress lines (optimum_qnn.progress)
             manager.InitContext(graph_names)
             wrappers, loaded = [], []
@@ -215,23 +221,45 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
     return results
 
 
-def compile_order(shards: int) -> list[int]:
+def compile_order(shards: int, params: list[int] | None = None, room_params: float = float("inf")) -> list[int]:
     """The last shard first, then the others in order: it holds the lm_head (vocabulary x hidden), whose compile
     dominates. Measured at Gemma-4-E2B widths, 7 layers in 7 shards: 53.5 of the 70.8 CPU s of compiling, the
     other shards 2-4 s each. Started last, it would run alone after everything else; started first, it overlaps
-    the preparation and the compiles of all the others."""
-    return [shards - 1, *range(shards - 1)] if shards > 1 else list(range(shards))
+    the preparation and the compiles of all the others.
+
+    Unless it cannot: when the memory left (``room_params``, in parameters the compiler's working set covers) does
+    not hold the last shard's compile (``params[-1]``) beside the largest other one, nothing would run beside it;
+    if two others fit side by side, they go first (in order) and it last. Measured at full-size Gemma-4-E2B in 16 GB (3 shards; the last
+    1107 M parameters, the others 432 M and ~470 M): lm_head first, the three compiled one at a time."""
+    if shards < 2:
+        return list(range(shards))
+    if params is not None and shards > 2:
+        largest = sorted(params[:-1])[-2:]
+        if params[-1] + largest[-1] > room_params >= sum(largest):
+            return list(range(shards))
+    return [shards - 1, *range(shards - 1)]
 
 
 def _shard_params(programs) -> int:
-    """Parameters of one shard, each tensor once (the methods of a context may share theirs)."""
+    """Parameters the compile of one shard takes: the weights its graphs' ops read, each once (the methods of a
+    context share theirs, as different tensor objects over the same memory). A weight no op reads compiles to
+    nothing: ExecuTorch leaves the token table (262144 x 1536 at E2B widths) among the inputs of the first shard
+    of each method, unread. Counting every state_dict tensor of every method once per object, the gate expected
+    5515 M parameters of the first of three full-size E2B shards (432 M) and made every compile wait for the
+    one before it."""
     import torch
 
-    seen: dict[int, int] = {}
+    seen: dict[tuple[int, int], int] = {}
     for program in programs:
-        for tensor in (*program.state_dict.values(), *program.constants.values()):
-            if isinstance(tensor, torch.Tensor):
-                seen[id(tensor)] = tensor.numel()
+        signature = program.graph_signature
+        targets = {**signature.inputs_to_parameters, **signature.inputs_to_buffers,
+                   **signature.inputs_to_lifted_tensor_constants}
+        for node in program.graph.nodes:
+            if node.op != "placeholder" or not node.users or node.name not in targets:
+                continue
+            tensor = program.state_dict.get(targets[node.name], program.constants.get(targets[node.name]))
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                seen[(tensor.data_ptr(), tensor.numel())] = tensor.numel()
     return sum(seen.values())
 
 
@@ -274,16 +302,24 @@ class _WorkerPool:
         private = {pid: _private_kb(pid) for pid in self.running}
         pending = sum(max(0, p * self.bytes_per_param / 1024 - private[pid]) for pid, (_, p) in self.running.items())
         need = params * self.bytes_per_param / 1024 + pending
-        system = _available_kb()
-        budget = float("inf") if self.budget_kb is None else self.budget_kb - resident_kb()[1] - sum(private.values())
+        system, budget = self._rooms(private)
         available = min(system, budget)
         if available >= need:
             return True
         logger.info("Waiting for a compile to finish: about %.0f MiB needed (%.0f for the next shard at %.1f bytes per "
                     "parameter, %.0f still to come from the running ones), %.0f MiB available to the system, %.0f left "
-                    "in the budget", need / 1024, params * self.bytes_per_param / 1024, self.bytes_per_param,
+                    "in the budget", need / 1024, params * self.bytes_per_param / 2**20, self.bytes_per_param,
                     pending / 1024, system / 1024, budget / 1024)
         return False
+
+    def _rooms(self, private: dict[int, int]) -> tuple[float, float]:
+        """kB (what the system has available, what the budget leaves beside this process and the running workers)."""
+        budget = float("inf") if self.budget_kb is None else self.budget_kb - resident_kb()[1] - sum(private.values())
+        return _available_kb(), budget
+
+    def room_kb(self) -> float:
+        """The memory new compiles may take now, in kB (the smaller of the system's and the budget's room)."""
+        return min(self._rooms({pid: _private_kb(pid) for pid in self.running}))
 
     def collect(self, binaries: list) -> None:
         """Reap the workers that finished, without waiting."""
