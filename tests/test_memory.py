@@ -162,20 +162,24 @@ def test_default_budget_is_mem_available_less_a_margin(tmp_path, e2b):
     assert plan.estimate.shards == 1 and "no budget known" in plan.summary()
 
 
-def _cgroup(root: Path, version: int, limit: str, usage: int, inactive: int, path: str = "/job") -> CgroupFiles:
-    """A fake /proc/self/cgroup and cgroup mount: the process in `path`, with that memory limit and usage."""
+def _cgroup(root: Path, version: int, limit: str, usage: int, inactive: int, path: str = "/job", active: int = 0,
+            dirty: int = 0) -> CgroupFiles:
+    """A fake /proc/self/cgroup and cgroup mount: the process in `path`, with that memory limit and usage, and that
+    much file cache on the inactive and active lists (``dirty`` of it not yet written back)."""
     if version == 2:
         (root / "cgroup.controllers").parent.mkdir(parents=True, exist_ok=True)
         (root / "cgroup.controllers").write_text("cpu memory\n")
-        folder, files = root / path.lstrip("/"), ("memory.max", "memory.current", "inactive_file")
+        folder, files = root / path.lstrip("/"), ("memory.max", "memory.current")
+        stats = ("inactive_file", "active_file", "file_dirty")
         membership = f"0::{path}\n"
     else:
-        folder, files = root / "memory" / path.lstrip("/"), ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        folder, files = root / "memory" / path.lstrip("/"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        stats = ("total_inactive_file", "total_active_file", "total_dirty")
         membership = f"9:name=systemd:/\n4:memory:{path}\n0::/\n"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / files[0]).write_text(limit + "\n")
     (folder / files[1]).write_text(f"{usage}\n")
-    (folder / "memory.stat").write_text(f"anon 1\n{files[2]} {inactive}\n")
+    (folder / "memory.stat").write_text("anon 1\n" + "".join(f"{name} {n}\n" for name, n in zip(stats, (inactive, active, dirty))))
     (root / "self-cgroup").write_text(membership)
     return CgroupFiles(root / "self-cgroup", root)
 
@@ -201,6 +205,18 @@ def test_a_cgroup_memory_limit_sets_the_default_budget(tmp_path, e2b, version):
     (top / limits[1]).write_text(str(2 * GB_BYTES))
     (top / "memory.stat").write_text("")
     assert available_memory(meminfo, parent)[0] == 10.0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_cgroups_clean_file_cache_counts_as_headroom_active_or_not(tmp_path, version):
+    """The kernel reclaims a group's clean file cache before it kills, from the active list too (MemAvailable counts a
+    machine's page cache so): 16 GB limit, 12 GB used of which 1 GB inactive and 3 GB active file cache, 0.5 GB of
+    that dirty, leaves 16 - 12 + 3.5 GB. Counting the inactive list alone had left 5 GB."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   23068672 kB\n")  # 22 GB
+    cgroups = _cgroup(tmp_path / "fs", version, str(16 * GB_BYTES), 12 * GB_BYTES, GB_BYTES, active=3 * GB_BYTES,
+                      dirty=GB_BYTES // 2)
+    assert available_memory(meminfo, cgroups) == (7.5, "cgroup memory limit, 7.5 GB free")
 
 
 def test_the_printed_line_says_estimate(demo_model_dir):
