@@ -177,6 +177,7 @@ def test_a_shard_counts_the_weights_its_ops_read_once():
     (1200, [0, 1, 2]),  # full-size E2B in 16 GB: it fits beside neither other one, the two others fit together
     (800, [2, 0, 1]),  # the two others do not fit together either: one at a time, whatever the order
     (1700, [2, 0, 1]),  # it fits beside the largest other one
+    (1550, [2, 0, 1]),  # beside the smallest only: that one compiles beside it
 ])
 def test_the_lm_head_shard_goes_first_unless_nothing_fits_beside_it(room, order):
     """Shards of 432 M, 470 M and 1107 M parameters (full-size Gemma-4-E2B in 3 shards), ``room`` M parameters of
@@ -185,6 +186,10 @@ def test_the_lm_head_shard_goes_first_unless_nothing_fits_beside_it(room, order)
     assert parallel_compile.compile_order(3, params, room * 1_000_000) == order
     assert parallel_compile.compile_order(2, params[1:], 100) == [1, 0]  # a single other shard: nothing to pair
     assert parallel_compile.compile_order(3) == [2, 0, 1]
+    # Full-size E2B in 4 shards, 16 GB: the lm_head shard fits beside the smallest other one (1382 M left).
+    assert parallel_compile.compile_order(4, [348_000_000, 422_000_000, 522_000_000, 989_000_000], 1382e6) == [3, 0, 1, 2]
+    # The others from the smallest, when the last goes first.
+    assert parallel_compile.compile_order(4, [500, 300, 400, 2000]) == [3, 1, 2, 0]
 
 
 @needs_fork

@@ -222,22 +222,26 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
 
 
 def compile_order(shards: int, params: list[int] | None = None, room_params: float = float("inf")) -> list[int]:
-    """The last shard first, then the others in order: it holds the lm_head (vocabulary x hidden), whose compile
-    dominates. Measured at Gemma-4-E2B widths, 7 layers in 7 shards: 53.5 of the 70.8 CPU s of compiling, the
-    other shards 2-4 s each. Started last, it would run alone after everything else; started first, it overlaps
-    the preparation and the compiles of all the others.
+    """The last shard first, then the others from the smallest: it holds the lm_head (vocabulary x hidden) and is the
+    largest, so its compile is the longest. Started last, it would run alone after everything else; started first,
+    it overlaps the preparation and the compiles of the others (the smallest first, as the memory beside it allows).
 
-    Unless it cannot: when the memory left (``room_params``, in parameters the compiler's working set covers) does
-    not hold the last shard's compile (``params[-1]``) beside the largest other one, nothing would run beside it;
-    if two others fit side by side, they go first (in order) and it last. Measured at full-size Gemma-4-E2B in 16 GB (3 shards; the last
-    1107 M parameters, the others 432 M and ~470 M): lm_head first, the three compiled one at a time."""
+    Unless nothing fits beside it: when the memory left (``room_params``, in parameters the compiler's working set
+    covers) does not hold the last shard's compile (``params[-1]``) beside even the smallest other one, while two
+    others fit side by side, those go first (in order) and it last. Measured at full-size Gemma-4-E2B in a 16 GB cgroup,
+    4 shards (989 M parameters in the last, 348, 422 and 522 M in the others; 11059 MiB left, 1382 M at 8 bytes per
+    parameter): the rule had asked whether it fits beside the largest other one, and compiled it last, alone for
+    153 s, where it fits beside the smallest."""
     if shards < 2:
         return list(range(shards))
-    if params is not None and shards > 2:
-        largest = sorted(params[:-1])[-2:]
-        if params[-1] + largest[-1] > room_params >= sum(largest):
-            return list(range(shards))
-    return [shards - 1, *range(shards - 1)]
+    others = list(range(shards - 1))
+    if params is not None:
+        others.sort(key=lambda i: params[i])
+        if shards > 2:
+            largest = sorted(params[:-1])[-2:]
+            if params[-1] + params[others[0]] > room_params >= sum(largest):
+                return list(range(shards))
+    return [shards - 1, *others]
 
 
 def _shard_params(programs) -> int:
