@@ -205,8 +205,7 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
                     pool.count_done()
                 else:
                     return_free_heap()  # what the previous shard's op wrappers held: the fork need not share those pages
-                    pool.start(i, _shard_params(programs[i] for programs in edge_programs.values()),
-                               lambda: manager.Compile(graph_names, wrappers), binaries)
+                    pool.start(i, params[i], lambda: manager.Compile(graph_names, wrappers), binaries)
             finally:
                 manager.DestroyContext()
             del wrappers, loaded
@@ -237,10 +236,8 @@ def compile_order(shards: int, params: list[int] | None = None, room_params: flo
     others = list(range(shards - 1))
     if params is not None:
         others.sort(key=lambda i: params[i])
-        if shards > 2:
-            largest = sorted(params[:-1])[-2:]
-            if params[-1] + params[others[0]] > room_params >= sum(largest):
-                return list(range(shards))
+        if shards > 2 and params[-1] + params[others[0]] > room_params >= sum(params[i] for i in others[-2:]):
+            return list(range(shards))
     return [shards - 1, *others]
 
 
