@@ -11,6 +11,7 @@ bit-identical outputs on the x86 HTP emulator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from optimum_qnn.exporter import parallel_compile
+from optimum_qnn.exporter import by_reference, parallel_compile
 from optimum_qnn.exporter.parallel_compile import _WorkerPool, workers_private_mb
 
 needs_fork = pytest.mark.skipif(not parallel_compile.fork_available(), reason="compile workers need Linux fork")
@@ -413,8 +414,8 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
     in_parent: dict[int, bytes] = {}
     fork_and_compile = _WorkerPool.start
 
-    def start(self, shard, params, compile_fn, binaries):
-        fork_and_compile(self, shard, params, compile_fn, binaries)
+    def start(self, shard, params, compile_fn, binaries, kept=0):
+        fork_and_compile(self, shard, params, compile_fn, binaries, kept)
         in_parent[shard] = bytes(PyQnnManagerAdaptor.StripProtocol(bytes(compile_fn())))
 
     monkeypatch.setattr(_WorkerPool, "start", start)
@@ -423,6 +424,46 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
     for delegate in delegates:
         assert delegate.binary == in_parent[delegate.index], (delegate.method, delegate.index)
     assert len({d.binary for d in delegates}) == 3
+
+
+@needs_fork
+def test_weights_handed_to_qnn_by_reference_compile_what_copies_compile(qnn_sdk):
+    """`weights_by_reference`: the same program as with ExecuTorch's copies, byte for byte but the contexts' clock
+    stamps; each method's equal weights handed over once. Both lowerings run in children forked from this process's
+    QNN state (a second lowering in one process numbers its QNN tensors on from the first)."""
+    from optimum_qnn.artifacts.inspection.pte import normalized_program
+    from optimum_qnn.exporter.forked import run_forked
+
+    def lower(referenced: bool):
+        calls = []
+        keep = by_reference.KeptArrays.keep
+
+        def counting(self, data):
+            calls.append(data.nbytes)
+            return keep(self, data)
+
+        by_reference.KeptArrays.keep = counting
+        if not referenced:
+            parallel_compile.weights_by_reference = lambda kept: contextlib.nullcontext()
+        lowered = lower_stack(workers=2)
+        return lowered.buffer, calls
+
+    referenced, calls = run_forked(lambda: lower(True), "the lowering by reference")
+    copies, no_calls = run_forked(lambda: lower(False), "the lowering with copies")
+    assert not no_calls and len(calls) >= 6  # 3 shards x 2 methods, a weight each at least
+    assert normalized_program(referenced) == normalized_program(copies)
+
+
+def test_kept_arrays_hold_equal_contents_once():
+    import numpy as np
+
+    kept = by_reference.KeptArrays()
+    a = np.arange(1 << 20, dtype=np.int8).reshape(1024, 1024)
+    twin, other = a.copy(), a.copy()
+    other[512, 7] += 1  # one byte differs
+    assert kept.keep(a) is a and kept.keep(twin) is a and kept.keep(other) is other
+    assert kept.keep(a.astype(np.uint8)) is not a  # same bytes, another dtype
+    assert kept.nbytes == 3 * a.nbytes
 
 
 @needs_fork

@@ -41,7 +41,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from optimum_qnn.quantization.weights import resident_kb, return_free_heap, rss_kb
+from optimum_qnn.quantization.weights import resident_kb, return_free_heap
+from optimum_qnn.exporter.by_reference import KeptArrays, weights_by_reference
 from optimum_qnn.progress import COMPILED_MESSAGE, PREPARING_MESSAGE
 
 logger = logging.getLogger(__name__)
@@ -185,14 +186,15 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
         for i in order:
             logger.info(PREPARING_MESSAGE, i + 1, shards)  # progress lines (optimum_qnn.progress)
             manager.InitContext(graph_names)
-            wrappers, loaded = [], []
+            wrappers, loaded, kept = [], [], KeptArrays()
             try:
                 for programs in edge_programs.values():
                     pool.collect(binaries)  # report and reap the compiles that finished meanwhile
-                    built = QnnBackend._build_op_wrappers(
-                        programs[i], False, option.op_package_options.op_package_infos, option.use_mha2sha,
-                        option.backend_options.backend_type,
-                    )
+                    with weights_by_reference(kept):
+                        built = QnnBackend._build_op_wrappers(
+                            programs[i], False, option.op_package_options.op_package_infos, option.use_mha2sha,
+                            option.backend_options.backend_type,
+                        )
                     if isinstance(built, bytes):  # a precompiled context (context loader op): nothing to compile
                         loaded.append(built)
                     else:
@@ -205,10 +207,10 @@ def _preprocess(edge_programs, compile_specs, workers: int, original: Callable, 
                     pool.count_done()
                 else:
                     return_free_heap()  # what the previous shard's op wrappers held: the fork need not share those pages
-                    pool.start(i, params[i], lambda: manager.Compile(graph_names, wrappers), binaries)
+                    pool.start(i, params[i], lambda: manager.Compile(graph_names, wrappers), binaries, kept.nbytes)
             finally:
                 manager.DestroyContext()
-            del wrappers, loaded
+            del wrappers, loaded, kept  # the worker has its own references (its copy of this address space)
         pool.finish(binaries)
     finally:
         pool.kill()
@@ -272,12 +274,14 @@ class _WorkerPool:
         self.budget_kb = None if budget_gb is None else budget_gb * 2**20
         self.done = 0
         self.folder = tempfile.TemporaryDirectory(prefix="optimum-qnn-compile-")
-        self.running: dict[int, tuple[int, int]] = {}  # pid -> (shard, parameters)
+        self.running: dict[int, tuple[int, int, int]] = {}  # pid -> (shard, parameters, kB it inherits to hold)
         self.bytes_per_param = _DEFAULT_BYTES_PER_PARAM
         self.compile_cpu_seconds = 0.0  # summed over the workers, from their rusage
 
-    def start(self, shard: int, params: int, compile_fn: Callable[[], object], binaries: list) -> None:
-        """Fork a worker that compiles ``shard``, once a slot is free and the memory it is expected to take is."""
+    def start(self, shard: int, params: int, compile_fn: Callable[[], object], binaries: list, kept: int = 0) -> None:
+        """Fork a worker that compiles ``shard``, once a slot is free and the memory it is expected to take is.
+        ``kept``: bytes of this process's memory the worker reads (the shard's `KeptArrays`), which this process lets
+        go after the fork: they become the worker's own."""
         while self.running and (len(self.running) >= self.workers or not self._memory_allows(params)):
             self._wait_one(binaries)
         path = self._path(shard)
@@ -288,7 +292,7 @@ class _WorkerPool:
         if pid == 0:  # the worker: never returns
             die_with_parent(parent)
             _compile_and_exit(compile_fn, path)
-        self.running[pid] = (shard, params)
+        self.running[pid] = (shard, params, kept // 1024)
         _live[pid] = shard
         logger.debug("Shard %d/%d: compiling in worker %d (%d running)", shard + 1, self.shards, pid, len(self.running))
 
@@ -301,7 +305,8 @@ class _WorkerPool:
         Gemma-4-E2B lowering, measured) are left out: the kernel drops them under pressure, and the memory
         available counts them as free."""
         private = {pid: _private_kb(pid) for pid in self.running}
-        pending = sum(max(0, p * self.bytes_per_param / 1024 - private[pid]) for pid, (_, p) in self.running.items())
+        pending = sum(max(0, p * self.bytes_per_param / 1024 + kept - private[pid])
+                      for pid, (_, p, kept) in self.running.items())
         need = params * self.bytes_per_param / 1024 + pending
         system, budget = self._rooms(private)
         available = min(system, budget)
@@ -345,7 +350,7 @@ class _WorkerPool:
         return exited(pid)
 
     def _reap(self, pid: int, binaries: list) -> None:
-        shard, params = self.running.pop(pid)
+        shard, params, _ = self.running.pop(pid)
         _live.pop(pid, None)
         _private_cache.pop(pid, None)
         _, status, usage = os.wait4(pid, 0)
@@ -368,8 +373,10 @@ class _WorkerPool:
         path.unlink()
         self.count_done()
         # ru_maxrss counts the pages mapped at fork (fewer than the parent's: file pages are not copied): what the
-        # compile added is the peak above the RSS the worker started with.
-        grown_kb = max(0, usage.ru_maxrss - int(path.with_suffix(".rss").read_text()))
+        # compile added is the peak above the RSS the worker started with, less the file pages it read meanwhile
+        # (the weights QNN reads by reference: the kernel drops those under pressure and reads them again).
+        start_kb, file_kb = (int(v) for v in path.with_suffix(".rss").read_text().split())
+        grown_kb = max(0, usage.ru_maxrss - start_kb - file_kb)
         if params:
             self.bytes_per_param = max(self.bytes_per_param, grown_kb * 1024 / params)
         self.compile_cpu_seconds += seconds
@@ -403,11 +410,13 @@ def _compile_and_exit(compile_fn: Callable[[], object], path: Path) -> None:
     (no atexit hooks, no flushing of buffers inherited from the parent, no logging handlers run)."""
     code = 1
     try:
-        path.with_suffix(".rss").write_text(str(rss_kb()))
+        start_kb, start_anon_kb = resident_kb()
         import torch
 
         torch.set_num_threads(1)
         binary = _as_buffer(compile_fn())
+        rss, anon = resident_kb()
+        path.with_suffix(".rss").write_text(f"{start_kb} {max(0, (rss - anon) - (start_kb - start_anon_kb))}")
         if not binary.nbytes:
             raise RuntimeError("QNN returned an empty context binary")
         with open(path, "wb") as f:
