@@ -175,7 +175,7 @@ def test_a_shard_counts_the_weights_its_ops_read_once():
 
 @pytest.mark.parametrize("room, order", [
     (float("inf"), [2, 0, 1]),  # room for all: the lm_head shard first, the others compile beside it
-    (1200, [0, 1, 2]),  # full-size E2B in 16 GB: it fits beside neither other one, the two others fit together
+    (1200, [1, 0, 2]),  # full-size E2B in 16 GB: it fits beside neither other one, the two others fit together
     (800, [2, 0, 1]),  # the two others do not fit together either: one at a time, whatever the order
     (1700, [2, 0, 1]),  # it fits beside the largest other one
     (1550, [2, 0, 1]),  # beside the smallest only: that one compiles beside it
@@ -191,6 +191,8 @@ def test_the_lm_head_shard_goes_first_unless_nothing_fits_beside_it(room, order)
     assert parallel_compile.compile_order(4, [348_000_000, 422_000_000, 522_000_000, 989_000_000], 1382e6) == [3, 0, 1, 2]
     # The others from the smallest, when the last goes first.
     assert parallel_compile.compile_order(4, [500, 300, 400, 2000]) == [3, 1, 2, 0]
+    # From the largest when it goes last: the pair that starts together ends together.
+    assert parallel_compile.compile_order(4, [500, 300, 400, 2000], 1000) == [0, 2, 1, 3]
 
 
 @needs_fork

@@ -229,17 +229,19 @@ def compile_order(shards: int, params: list[int] | None = None, room_params: flo
 
     Unless nothing fits beside it: when the memory left (``room_params``, in parameters the compiler's working set
     covers) does not hold the last shard's compile (``params[-1]``) beside even the smallest other one, while two
-    others fit side by side, those go first (in order) and it last. Measured at full-size Gemma-4-E2B in a 16 GB cgroup,
-    4 shards (989 M parameters in the last, 348, 422 and 522 M in the others; 11059 MiB left, 1382 M at 8 bytes per
-    parameter): the rule had asked whether it fits beside the largest other one, and compiled it last, alone for
-    153 s, where it fits beside the smallest."""
+    others fit side by side, those go first, from the largest, and it last. Measured at full-size Gemma-4-E2B in a 16 GB
+    cgroup, 4 shards (989 M parameters in the last, 348, 422 and 522 M in the others; 11059 MiB left, 1382 M at 8 bytes
+    per parameter): the rule had asked whether it fits beside the largest other one, and compiled it last, alone for
+    153 s, where it fits beside the smallest. From the largest: in 3 shards (478 M and 651 M beside each other, then
+    the lm_head's 1223 M), the smaller one started first finished 46-57 s before the other, which then compiled alone
+    while the last waited for both; started second, it ends with the larger one, the core in between busy."""
     if shards < 2:
         return list(range(shards))
     others = list(range(shards - 1))
     if params is not None:
         others.sort(key=lambda i: params[i])
         if shards > 2 and params[-1] + params[others[0]] > room_params >= sum(params[i] for i in others[-2:]):
-            return list(range(shards))
+            return [*reversed(others), shards - 1]
     return [shards - 1, *others]
 
 
