@@ -41,8 +41,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from optimum_qnn.quantization.weights import resident_kb, return_free_heap
 from optimum_qnn.exporter.by_reference import KeptArrays, weights_by_reference
+from optimum_qnn.quantization.weights import resident_kb, return_free_heap
 from optimum_qnn.progress import COMPILED_MESSAGE, PREPARING_MESSAGE
 
 logger = logging.getLogger(__name__)
