@@ -14,9 +14,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
-from torch.fx.passes.operator_support import OperatorSupportBase
-
 from optimum_qnn.exporter.parallel_compile import parallel_shard_compiles
+from optimum_qnn.exporter.partitions import NamedNodes, by_node, propose, proposed_side_by_side
 from optimum_qnn.progress import report_step
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -240,8 +239,10 @@ def lower_edge(
         parallel_shard_compiles(workers, budget_gb),
     ):
         supported = supported_nodes(edge, spec, skip_ops, workers)
+        proposed = proposed_side_by_side(edge, supported, methods) if supported else {}
         partitioners = {
-            name: _reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name, supported=supported.get(name))
+            name: _reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name, supported=supported.get(name),
+                                           partitions=proposed.get(name))
             for name in methods
         }
         edge = edge.to_backend(partitioners)
@@ -346,20 +347,20 @@ def _reporting_partitioner() -> type:
     from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
 
     class ReportingQnnPartitioner(QnnPartitioner):
-        def __init__(self, *args, method: str, supported: frozenset[str] | None = None, **kwargs):
+        def __init__(self, *args, method: str, supported: frozenset[str] | None = None, partitions: list | None = None,
+                     **kwargs):
             super().__init__(*args, **kwargs)
             self.method = method
             self.supported = supported  # the nodes `supported_nodes` found QNN delegates; None: check them here
+            self.partitions = partitions  # proposed from them (`partitions.proposed_side_by_side`); None: propose here
 
         def generate_partitions(self, edge_program):
             if self.supported is None:
                 return super().generate_partitions(edge_program)
-            from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
-                generate_partitions_from_list_of_nodes,
-            )
-
-            self.op_support_checker = _NamedNodes(self.supported)
-            return generate_partitions_from_list_of_nodes(edge_program.graph_module, op_support=self.op_support_checker)
+            self.op_support_checker = NamedNodes(self.supported)  # `partition` deletes it after this call
+            if self.partitions is not None:  # by name: ExecuTorch partitions a copy of the program
+                return by_node(edge_program.graph_module.graph, self.partitions)
+            return propose(edge_program.graph_module, self.supported)
 
         def transform_for_pre_decomposition(self, exported_program):
             report_step(f"converting {self.method} to the edge dialect")
@@ -370,16 +371,6 @@ def _reporting_partitioner() -> type:
             return super().partition(edge_program)
 
     return ReportingQnnPartitioner
-
-
-class _NamedNodes(OperatorSupportBase):
-    """The partitioner's operator support, answered from the names `supported_nodes` found."""
-
-    def __init__(self, names: frozenset[str]):
-        self.names = names
-
-    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        return node.name in self.names
 
 
 class _QuantIoTagger:
