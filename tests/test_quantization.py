@@ -438,6 +438,46 @@ def test_each_weight_is_quantized_once_for_both_graphs(toy, scheme):
     assert all(torch.equal(t, own[name]) for name, t in ints.items())  # = what the decode graph computes alone
 
 
+def test_observers_are_made_without_copying_the_graph_their_constructor_holds(toy, monkeypatch):
+    """`pt2e.prepare` makes each observer without deep-copying its constructor (ExecuTorch's `cat` observer holds the
+    whole graph; torchao copied it once per `cat`): no graph is copied, and the prepared graph, its observers and
+    the converted graph after one calibration are those torchao makes with its copies."""
+    import contextlib
+
+    from executorch.backends.qualcomm.quantizer.observers.concat_observer import ConcatObserver
+
+    from optimum_qnn.quantization import pt2e
+    from optimum_qnn.quantization.pt2e import convert, make_quantizer, prepare
+
+    copies = []
+    graph_deepcopy = torch.fx.Graph.__deepcopy__
+    monkeypatch.setattr(torch.fx.Graph, "__deepcopy__", lambda self, memo=None: copies.append(self) or graph_deepcopy(self, memo))
+    quantizer = make_quantizer("16a4w_block")
+    ours = prepare(toy.export(PREFILL_AR), quantizer)
+    ours_copied = [g for g in copies if g is ours.graph]
+    with monkeypatch.context() as m:
+        m.setattr(pt2e, "_observer_constructors_not_copied", contextlib.nullcontext)
+        torchaos = prepare(toy.export(PREFILL_AR), quantizer)
+    torchaos_copied = [g for g in copies if g is torchaos.graph]
+    assert ours_copied == [] and len(torchaos_copied) >= 2  # one copy per cat: what this avoids
+
+    def observers(graph):
+        return [(name, type(module).__name__, getattr(module, "dtype", None), getattr(module, "quant_min", None),
+                 getattr(module, "quant_max", None), getattr(module, "block_size", None))
+                for name, module in graph.named_modules() if name.startswith("activation_post_process_")]
+
+    assert ours.code == torchaos.code and observers(ours) == observers(torchaos)
+    concat = [m for _, m in ours.named_modules() if isinstance(m, ConcatObserver)]
+    assert len(concat) >= 2 and all(m.concat_node.graph is ours.graph for m in concat)  # the graph itself, no copy
+    with torch.no_grad():
+        toy.calibrate(PREFILL_AR)(ours)
+        toy.calibrate(PREFILL_AR)(torchaos)
+    ours, torchaos = convert(ours), convert(torchaos)
+    assert ours.code == torchaos.code
+    theirs = dict(torchaos.state_dict())
+    assert all(torch.equal(t, theirs[name]) for name, t in ours.state_dict().items()) and len(theirs) >= 10
+
+
 def test_copy_observer_state_rejects_other_graphs(toy):
     from optimum_qnn.quantization.pt2e import make_quantizer, prepare
     from optimum_qnn.quantization.shared import copy_observer_state
