@@ -226,6 +226,38 @@ def test_pt2e_quantized_graph_lowers_and_runs(qnn_sdk):
         assert _cosine(out, model(x)) >= 0.99
 
 
+def test_edge_conversion_keeps_each_node_s_oldest_source_only(qnn_sdk, monkeypatch):
+    """`edge.prune_provenance` between the edge passes: the edge program and every node's debug handle (ExecuTorch's,
+    from the node's oldest source) are those of the conversion that keeps every node's whole provenance record,
+    whose records grow with each pass."""
+    from optimum_qnn.exporter import edge as edge_module
+    from optimum_qnn.exporter.lowering import EdgeLowering
+
+    _, x, converted = _quantized_mlp(8)
+
+    def converted_to_edge():
+        lowering = EdgeLowering({"forward": torch.export.export(converted, (x,), strict=True)}, fp16=False)
+        lowering.prepare()
+        return lowering._edge.exported_program("forward")
+
+    def levels(source) -> int:
+        return 1 + max((levels(s) for s in source.from_node), default=0)
+
+    def described(program):
+        nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
+        handles = [(n.name, n.meta.get("debug_handle")) for n in nodes]
+        depth = max(levels(s) for n in nodes for s in n.meta.get("from_node", []))
+        return program.graph_module.code, handles, depth
+
+    pruned_code, pruned_handles, pruned_depth = described(converted_to_edge())
+    monkeypatch.setattr(edge_module, "prune_provenance", lambda graph_module: None)
+    monkeypatch.setattr(edge_module, "_pruned_after_each", list)
+    code, handles, depth = described(converted_to_edge())
+    assert pruned_code == code and pruned_handles == handles
+    assert sum(1 for _, h in handles if h) >= 5  # ExecuTorch did number them, from each node's oldest source
+    assert pruned_depth <= 3 < depth  # what each pass had to copy
+
+
 def test_a_portable_lowering_lowers_in_another_process(qnn_sdk, run_python, tmp_path):
     """`EdgeLowering.portable()` is what a Ray cell receives: a PT2E-quantized graph saved with torch.export, which
     a fresh interpreter (no quantizer imported) loads and lowers into the program this process makes from the

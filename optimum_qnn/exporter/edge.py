@@ -117,9 +117,11 @@ def to_edge(
         passes_job, dep_table = _passes_job(int64_inputs, shard_starts, tagger)
         manager = get_qnn_pass_manager_cls(backend_type)()
         # Before edge conversion: these passes add constants that lift_constant_tensor_pass must lift.
+        prune_provenance(program.graph_module)
         aten[name] = manager.transform_for_export_pipeline(program)
+        prune_provenance(aten[name].graph_module)
         transform_passes[name] = [_reporting_pass(f"running QNN's edge passes on {name}")]
-        transform_passes[name] += manager.get_to_edge_transform_passes(
+        transform_passes[name] += _pruned_after_each(manager.get_to_edge_transform_passes(
             program,
             passes_job=passes_job,
             dep_table=dep_table,
@@ -128,7 +130,7 @@ def to_edge(
             # Linear layers as 1x1 convolutions: the HTP's fast path, and the only form in which block-quantized
             # (LPBQ) weights compile ("no properties registered for q::GenPad" otherwise).
             convert_linear_to_conv2d=True,
-        )
+        ))
         # Asked only which ops to keep whole through the decompositions (a fixed table), never to partition.
         partitioners[name] = [_reporting_partitioner()(spec, skip_node_op_set=set(skip_ops), method=name)]
     edge = _gen_edge_manager_for_partitioners(
@@ -137,6 +139,7 @@ def to_edge(
     edge = edge.transform(transform_passes)
     for name in edge.methods:
         lift_constant_tensor_pass(edge.exported_program(name))
+        prune_provenance(edge.exported_program(name).graph_module)  # the partitioning and serialization copy it too
     for name, tagger in taggers.items():
         tagger.check(name)
     return edge
@@ -325,6 +328,38 @@ def copy_sharing_tensors(edge: EdgeProgramManager) -> EdgeProgramManager:
 def _tensors_kept(*programs: torch.export.ExportedProgram) -> dict[int, torch.Tensor]:
     """A `copy.deepcopy` memo that keeps the programs' weight and constant tensors as they are (shared, not copied)."""
     return {id(t): t for p in programs for t in [*p.state_dict.values(), *p.constants.values()] if isinstance(t, torch.Tensor)}
+
+
+def prune_provenance(graph_module: torch.fx.GraphModule) -> None:
+    """Keep of each node's provenance (``meta["from_node"]``) only its oldest source, the one ExecuTorch reads.
+
+    Every node a pass re-creates records where it came from (`torch.fx.traceback.NodeSource`) by deep-copying the
+    whole record of the node it came from, so the records grow by one level per pass and each pass copies them
+    whole: at Gemma-4-E2B's depth 10-12 % of the edge conversion's CPU time went to those copies (py-spy, 7 and 35
+    layers). ExecuTorch reads only the oldest source, at the end of the last entries (`debug_handle_utils.
+    get_greatest_ancestor_node_identifier`: the node's debug handle); it is kept, so every debug handle is the same."""
+    for module in graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            sources = node.meta.get("from_node")
+            if not sources:
+                continue
+            oldest = sources[-1]
+            while oldest.from_node:
+                oldest = oldest.from_node[-1]
+            node.meta["from_node"] = [oldest]
+
+
+def _pruned_after_each(passes: list) -> list:
+    """``passes`` with `prune_provenance` after each one."""
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    def prune(graph_module: torch.fx.GraphModule) -> PassResult:
+        prune_provenance(graph_module)
+        return PassResult(graph_module, False)
+
+    return [step for edge_pass in passes for step in (edge_pass, prune)]
 
 
 def _reporting_pass(step: str):
