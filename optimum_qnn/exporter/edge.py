@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
+
 from optimum_qnn.exporter.parallel_compile import parallel_shard_compiles
 from optimum_qnn.exporter.partitions import NamedNodes, by_node, propose, proposed_side_by_side
 from optimum_qnn.progress import report_step
