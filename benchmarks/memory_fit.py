@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from e2b_width import e2b_config, e4b_config  # noqa: E402
 
-from optimum_qnn.config import shard_starts  # noqa: E402
 from optimum_qnn.exporter.memory import _BASE, _LOWER_BASE, _STAGE_FIT, GB_BYTES, ParameterCounts  # noqa: E402
 
 ROWS_FILE = Path(__file__).parent / "memory_rows.json"
@@ -83,7 +82,7 @@ def _rest_gb(row: dict) -> float:
 
 def _largest_shard(row: dict) -> int:
     counts = row["counts"]
-    return counts.largest_shard(shard_starts(len(counts.layers), row["shards"]))
+    return counts.largest_shard(tuple(row["starts"]))
 
 
 def stage_table(log: str) -> tuple[dict[str, float], dict[str, float]]:
@@ -104,7 +103,8 @@ def add_row(args) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     stored = json.loads(ROWS_FILE.read_text())
-    row = {"model": args.model, "depth": args.depth, "reuse": args.reuse, "shards": args.shards, "stages": anon,
+    starts = list(counts_of({"model": args.model, "depth": args.depth, "reuse": args.reuse}).shard_starts(args.shards))
+    row = {"model": args.model, "depth": args.depth, "reuse": args.reuse, "shards": args.shards, "starts": starts, "stages": anon,
            "rss": rss, "source": args.source, "commit": commit}
     stored["rows"] = [r for r in stored["rows"] if r["source"] != args.source] + [row]
     ROWS_FILE.write_text(json.dumps(stored, indent=1) + "\n")

@@ -102,7 +102,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--shards", type=int, default=None, metavar="N",
                      help="split the decoder layers into N QNN contexts, compiled in worker processes (up to one per core, "
                           "while the estimated peak fits --max-memory): lower peak memory when lowering big models "
-                          "(default: the fewest whose estimated peak fits --max-memory)")
+                          "(default: the fewest whose estimated peak fits --max-memory, at least ExecuTorch's "
+                          "per-shard size: 4 for Gemma-4-E2B); the layers are split so the shards' parameters are "
+                          "as even as contiguous layers allow")
     mem.add_argument("--max-memory", default=None, metavar="GB",
                      help="memory budget of the export; one whose estimated peak exceeds it is refused before loading "
                           "(default: this machine's available memory less 10%%, at least 1 GB)")

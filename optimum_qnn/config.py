@@ -158,11 +158,6 @@ class SizeBudget:
         return f"{self.share * 100:g}%" if self.share is not None else f"{self.gigabytes:g}GB"
 
 
-def shard_starts(num_layers: int, shards: int) -> tuple[int, ...]:
-    """The decoder layers that begin shards 2..N of `num_layers` layers in `shards` shards, as even as rounding allows."""
-    return tuple(round(i * num_layers / shards) for i in range(1, shards))
-
-
 @dataclass(frozen=True)
 class EmbeddingQuant:
     """Weight-only quantization of the CPU-side embedding tables (`bits,group`, e.g. `4,32`).
@@ -297,7 +292,8 @@ class ExportConfig:
     overrides: tuple[tuple[str, QuantScheme], ...] = ()
     # Split the decoder layers into this many QNN contexts, compiled one after the other: the compiler then holds
     # one shard's weights at a time (lower peak memory for big models); a phone loads them as separate contexts.
-    # None: the fewest shards whose estimated lowering peak fits `max_memory` (optimum_qnn.exporter.memory).
+    # None: the fewest shards whose estimated peak fits `max_memory`, at least ExecuTorch's per-shard size
+    # (optimum_qnn.exporter.memory.choose_memory_plan). Split balanced by parameters (`ParameterCounts.shard_starts`).
     shards: int | None = None
     # Memory budget of the export in GB (2**30 bytes); None: this machine's available memory less a margin. An export
     # whose estimated peak exceeds it is refused before any weight is read.
@@ -373,13 +369,11 @@ class ExportConfig:
         for soc in self.socs:
             check_supported(soc, features)
 
-    def shard_starts(self, num_layers: int) -> tuple[int, ...]:
-        """The decoder layers that begin shards 2..N, the layers split as evenly as rounding allows."""
-        if self.shards is None:
-            raise InvalidInputError("shards is not chosen yet: give a number, or let export() choose it from the memory estimate")
-        if self.shards > num_layers:
+    def check_shards(self, num_layers: int) -> None:
+        """A given --shards must leave each shard a decoder layer at least. Where the shards begin is chosen from
+        the model's parameters (`optimum_qnn.exporter.memory.ParameterCounts.shard_starts`)."""
+        if self.shards is not None and self.shards > num_layers:
             raise InvalidInputError(f"--shards {self.shards} exceeds the model's {num_layers} decoder layers")
-        return shard_starts(num_layers, self.shards)
 
     @property
     def has_plan_stage(self) -> bool:

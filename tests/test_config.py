@@ -51,13 +51,11 @@ def test_kv_mode_ignores_prefill_length():
         ExportConfig(socs=())
 
 
-def test_shards_split_the_layers_evenly():
-    assert parse("--shards", "1").shard_starts(35) == ()
-    assert parse("--shards", "2").shard_starts(6) == (3,)
-    assert parse("--shards", "7").shard_starts(35) == (5, 10, 15, 20, 25, 30)
-    assert parse("--shards", "3").shard_starts(7) == (2, 5)  # shards of 2, 3 and 2 layers
+def test_shards_leave_each_shard_a_layer():
+    parse("--shards", "7").check_shards(7)
+    parse().check_shards(7)  # the exporter chooses
     with pytest.raises(ValueError, match="--shards 8 exceeds the model's 7 decoder layers"):
-        parse("--shards", "8").shard_starts(7)
+        parse("--shards", "8").check_shards(7)
 
 
 def test_embedding_quant_default_fits_the_table_widths():
@@ -99,8 +97,6 @@ def test_embedding_quant_parse_refuses_junk():
 def test_shards_and_max_memory_default_to_the_exporters_choice():
     default = parse()
     assert default.shards is None and default.max_memory is None
-    with pytest.raises(InvalidInputError, match="shards is not chosen yet"):
-        default.shard_starts(35)
     config = parse("--max-memory", "12.5", "--shards", "4")
     assert config.max_memory == 12.5 and config.shards == 4
 

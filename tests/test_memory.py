@@ -5,6 +5,7 @@ No export runs here."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from optimum_qnn.exporter.memory import (
     FIT_MAX_ERROR_GB,
     GB_BYTES,
     HTP_CONTEXT_WEIGHTS_GB,
+    SHARD_PARAMS,
     CgroupFiles,
     ParameterCounts,
     available_memory,
@@ -27,6 +29,7 @@ from optimum_qnn.exporter.memory import (
     default_budget_gib,
     estimate,
     fewest_loadable_shards,
+    fewest_shards_per_call,
     shard_weights_gb,
 )
 from optimum_qnn.models.gemma4.loading import read_text_config
@@ -38,7 +41,7 @@ from e2b_width import e2b_config, e4b_config  # noqa: E402
 
 # The exports memory.py is fitted to: E2B widths at 2 and 7 layers, the full E2B and the full E4B
 # (benchmarks/memory_rows.json, fitted by benchmarks/memory_fit.py).
-E2B_ROWS = [(row["counts"], row["shards"], row["stages"]) for row in memory_fit.load_rows()]
+E2B_ROWS = [(row["counts"], tuple(row["starts"]), row["stages"]) for row in memory_fit.load_rows()]
 # The configuration of those rows.
 E2B_BENCH = ExportConfig(quant=QuantScheme.A16W4_BLOCK, mode=ExportMode.HYBRID, shapes=ShapeConfig(1024, 128),
                          embedding_quant=EmbeddingQuant(4, 32))
@@ -52,11 +55,11 @@ def e2b() -> ParameterCounts:
 def measured_rows():
     """(counts, config, shards, {stage: measured anonymous GB}) for every measured export the fit is meant to
     reproduce."""
-    for counts, shards, measured in E2B_ROWS:
-        yield counts, E2B_BENCH, shards, measured
+    for counts, starts, measured in E2B_ROWS:
+        yield counts, E2B_BENCH, starts, measured
     (demo,) = memory_fit.load_rows("demo")
     demo_config = ExportConfig(quant=QuantScheme.A16W8, shapes=ShapeConfig(128, 16), embedding_quant=EmbeddingQuant(8, 0))
-    yield demo["counts"], demo_config, 1, {k: demo["stages"][k] for k in ("load", "lower")}
+    yield demo["counts"], demo_config, (), {k: demo["stages"][k] for k in ("load", "lower")}
 
 
 def test_parameter_counts_of_e2b_from_its_config(e2b):
@@ -72,10 +75,10 @@ def test_parameter_counts_of_e2b_from_its_config(e2b):
 
 def test_estimate_reproduces_every_measured_stage():
     checked = 0
-    for counts, config, shards, measured in measured_rows():
-        est = estimate(counts, config, shards)
+    for counts, config, starts, measured in measured_rows():
+        est = estimate(counts, config, len(starts) + 1, starts=starts)  # split as the row was measured
         for stage, gb in measured.items():
-            where = (len(counts.layers), shards, stage, est.stages[stage], gb)
+            where = (len(counts.layers), starts, stage, est.stages[stage], gb)
             # what README "Export memory" and memory.py state: within FIT_MAX_ERROR_GB either way, and never below a
             # measured peak by more than the FIT_ERROR_GB a shard choice keeps to spare (else a chosen plan overruns)
             assert abs(est.stages[stage] - gb) <= FIT_MAX_ERROR_GB, where
@@ -100,18 +103,45 @@ def test_estimate_grows_with_what_the_rows_did_not_vary(e2b):
     assert one.lowering > many.lowering + 5 and one.stages["quantize"] == many.stages["quantize"]
 
 
-def test_auto_shards_pick_one_for_the_demo_and_more_for_e2b_on_24_gb(demo_model_dir, e2b):
+def test_shards_are_balanced_by_parameters(e2b):
+    """The lm_head rides in the last shard and the later E2B layers are wider: even layer counts put 1186 M
+    parameters in the last of 3 shards. The split takes the smallest largest shard any split of contiguous layers
+    has (checked against every split), and the others as even as that leaves them."""
+    def sizes(starts):
+        return e2b.shard_sizes(tuple(starts))
+
+    assert max(sizes((12, 23))) > 1.18e9  # the even split the exporter made before
+    for shards in (3, 4):
+        best = min(max(sizes(starts)) for starts in itertools.combinations(range(1, 35), shards - 1))
+        chosen = sizes(e2b.shard_starts(shards))
+        assert len(chosen) == shards and max(chosen) == best and sum(chosen) == e2b.htp
+    assert max(sizes(e2b.shard_starts(3))) < 0.8e9 and max(sizes(e2b.shard_starts(4))) < 0.6e9
+    # 7 shards: the lm_head's (and one layer) is the largest any split can have; the others share the rest evenly
+    # rather than leaving one-layer shards behind
+    seven = sizes(e2b.shard_starts(7))
+    assert max(seven) == e2b.layers[34] + e2b.token_table and min(seven) > 0.25e9
+    assert e2b.shard_starts(1) == () and e2b.shard_starts(35) == tuple(range(1, 35))
+    with pytest.raises(InvalidInputError, match="--shards 36 must be between 1 and the model's 35"):
+        e2b.shard_starts(36)
+
+
+def test_auto_shards_pick_one_for_the_demo_and_executorch_s_per_shard_size_for_e2b(demo_model_dir, e2b):
     demo = ParameterCounts.from_config(read_text_config(demo_model_dir))
     assert choose_memory_plan(demo, ExportConfig(max_memory=24)).estimate.shards == 1
+    # ExecuTorch's own E2B build: 4 shards; balanced, each within SHARD_PARAMS, 3 would not be
+    assert fewest_shards_per_call(e2b) == 4
+    assert e2b.largest_shard(e2b.shard_starts(4)) <= SHARD_PARAMS < e2b.largest_shard(e2b.shard_starts(3))
     for quant in (QuantScheme.A16W8, QuantScheme.A16W4_BLOCK):  # the default scheme, and the issue's
-        config = ExportConfig(quant=quant, max_memory=24)
-        plan = choose_memory_plan(e2b, config)
-        shards = plan.estimate.shards
-        assert 1 < shards < 35 and plan.auto and plan.estimate.peak <= 24
-        # the fewest that fit: one fewer would not
-        assert estimate(e2b, config, shards - 1).peak + FIT_ERROR_GB > 24 >= plan.estimate.peak + FIT_ERROR_GB
-    # A larger budget never needs more shards.
-    assert choose_memory_plan(e2b, ExportConfig(max_memory=64)).estimate.shards == 1
+        for budget in (24, 64):  # memory would allow fewer: the per-call size decides
+            config = ExportConfig(quant=quant, max_memory=budget)
+            plan = choose_memory_plan(e2b, config)
+            assert plan.estimate.shards == 4 and plan.auto and estimate(e2b, config, 3).peak + FIT_ERROR_GB <= budget
+            assert plan.estimate.starts == e2b.shard_starts(4)
+            assert "at least 4 for ExecuTorch's per-shard size (600 M parameters)" in plan.summary()
+    # Where memory needs more, memory decides: the fewest that fit, one fewer would not
+    config = ExportConfig(quant=QuantScheme.A16W4_BLOCK, max_memory=6.5)
+    shards = choose_memory_plan(e2b, config).estimate.shards
+    assert shards > 4 and estimate(e2b, config, shards - 1).peak + FIT_ERROR_GB > 6.5
 
 
 def test_a_given_shard_count_is_kept_and_checked(e2b):
@@ -130,8 +160,9 @@ def test_shards_keep_every_htp_context_loadable(e2b):
     # E4B at 8 bits: 4.4 GB of HTP weights (lm_head included) in one context, 2 shards bring the larger under 3
     assert shard_weights_gb(e4b, w8, 1) > 4 and shard_weights_gb(e4b, w8, 2) <= HTP_CONTEXT_WEIGHTS_GB
     plan = choose_memory_plan(e4b, w8)
-    assert plan.estimate.shards == 2 and "HTP's 4 GB context (at least 2)" in plan.summary()
-    assert choose_memory_plan(e4b, w4).estimate.shards == 1  # memory alone decides where every context loads
+    # the per-call size asks for more (7: the lm_head's shard is the largest any split has from there)
+    assert plan.estimate.shards == fewest_shards_per_call(e4b) == 7 and "HTP's 4 GB context (at least 2)" in plan.summary()
+    assert choose_memory_plan(e4b, w4).estimate.shards == 7
     with pytest.raises(InvalidInputError, match="--shards 1 puts up to 4.[0-9] GB .* Give --shards 2 or more"):
         choose_memory_plan(e4b, dataclasses.replace(w8, shards=1))
     # A size budget may keep any linear at 8 bits: counted so; fp16 E2B needs two contexts as well
@@ -159,7 +190,7 @@ def test_default_budget_is_mem_available_less_a_margin(tmp_path, e2b):
     assert "estimated" in message and "--max-memory" in message
     # Without MemAvailable there is no budget to refuse against: the fewest shards, and a line saying so.
     plan = choose_memory_plan(e2b, ExportConfig(), meminfo=tmp_path / "missing", cgroups=no_cgroup)
-    assert plan.estimate.shards == 1 and "no budget known" in plan.summary()
+    assert plan.estimate.shards == fewest_shards_per_call(e2b) and "no budget known" in plan.summary()
 
 
 def _cgroup(root: Path, version: int, limit: str, usage: int, inactive: int, path: str = "/job", active: int = 0,

@@ -1,8 +1,8 @@
 """The memory an export will need, estimated from the model's config alone, before any weight is read.
 
 An export that does not fit is killed by the kernel, at Gemma-4-E2B's size after about 25 minutes. The estimate lets
-the exporter choose the fewest lowering shards that fit the memory it has (`choose_memory_plan`), and refuse in a
-second, with the figure and the fix, when nothing fits.
+the exporter choose the fewest lowering shards that fit the memory it has, and not fewer than ExecuTorch's per-shard
+size (`choose_memory_plan`), and refuse in a second, with the figure and the fix, when nothing fits.
 
 What it estimates: the anonymous memory of the export (its RSS less file-backed pages, plus the private memory of
 its compile workers), the part the kernel cannot take back. The rest of its RSS is file pages it reads through a
@@ -36,7 +36,10 @@ squares through the E2B and E4B rows (benchmarks/memory_fit.py; the token table'
 a 262144-word vocabulary, the lm_head's quantization and vocabulary-wide logits, and varies with the hidden width only
 between the E2B and E4B rows). The
 lowering stage is `_LOWER_BASE` + a resident term + what the QNN compilers hold for the shards they compile,
-`_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head). The fit
+`_SHARD_BYTES_PER_PARAM` bytes per parameter of the largest shard (the last shard carries the lm_head; the rows split
+the layers evenly, `starts` in each row). That is what the lowering needs, one compile at a time; the compile
+workers run two side by side only while the budget has room for both (`parallel_compile`), so with balanced shards
+the measured peak may exceed this estimate, within the budget. The fit
 reproduces every one of these figures within `FIT_MAX_ERROR_GB`, and underestimates none by more than
 `FIT_ERROR_GB`, the margin the shard count is chosen with (tests/test_memory.py asserts both). A single shard
 compiles in the exporter's own process, and the stages after it keep what the compiler took (measured on an earlier
@@ -54,11 +57,12 @@ estimate; every message that shows one says so. GB here is 2**30 bytes, as in th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, WeightRanges, WeightRounding, shard_starts
+from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, WeightRanges, WeightRounding
 from optimum_qnn.errors import InvalidInputError
 
 GB_BYTES = 2**30
@@ -101,6 +105,11 @@ _STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # failed") and gives more shards as the fix. One shard's weights are kept within 3 GB, a GB left for the rest.
 HTP_CONTEXT_LIMIT_GB = 4.0
 HTP_CONTEXT_WEIGHTS_GB = 3.0
+# The parameters of one shard when the exporter chooses the count: ExecuTorch's own Gemma-4-E2B build splits its
+# 2.28 B HTP parameters in 4 (`Gemma4_E2B.num_sharding` in examples/qualcomm/oss_scripts/llama), 570 M a shard, each
+# one HTP call per token; its developers keep a call under about 10 ms (pytorch/executorch#7466, STOCK_RUNNER.md).
+# Rounded up to 600 M: at E2B's widths, 4 balanced shards of at most 586 M.
+SHARD_PARAMS = 600_000_000
 
 
 @dataclass(frozen=True)
@@ -165,14 +174,66 @@ class ParameterCounts:
         """Parameters compiled into the HTP graph: the decoder layers, the rest, and the lm_head (vocab x hidden)."""
         return sum(self.layers) + self.other + self.token_table
 
-    def largest_shard(self, shard_starts: tuple[int, ...]) -> int:
-        """Parameters of the largest shard the QNN compiler holds at once: the layers between shard starts, the
-        first with the per-layer input projection, the last with the lm_head."""
+    def shard_sizes(self, shard_starts: tuple[int, ...]) -> list[int]:
+        """Parameters of each shard, compiled into one HTP context each: the layers between shard starts, the first
+        with the per-layer input projection, the last with the lm_head."""
         bounds = (0, *shard_starts, len(self.layers))
         sizes = [sum(self.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
         sizes[0] += self.other
         sizes[-1] += self.token_table
-        return max(sizes)
+        return sizes
+
+    def largest_shard(self, shard_starts: tuple[int, ...]) -> int:
+        """Parameters of the largest shard the QNN compiler holds at once (`shard_sizes`)."""
+        return max(self.shard_sizes(shard_starts))
+
+    def shard_starts(self, shards: int) -> tuple[int, ...]:
+        """The decoder layers that begin shards 2..N of ``shards``, chosen so that the largest shard is as small as
+        contiguous layers allow, and the others as even as that leaves them.
+
+        Even layer counts are not even work: the lm_head (vocabulary x hidden) rides in the last shard, and the KV-
+        sharing layers of E2B and E4B have double-wide MLPs. At Gemma-4-E2B's widths, 35 layers in 3 even groups
+        gave shards of 462, 632 and 1186 M parameters; the last one's compile took 8.5 GB and 180 s alone, and its
+        HTP call on the phone more than half the work of a token (tests/test_memory.py has the balanced sizes)."""
+        n = len(self.layers)
+        if not 1 <= shards <= n:
+            raise InvalidInputError(f"--shards {shards} must be between 1 and the model's {n} decoder layers")
+        end = _balanced_splits(self.layers, self.other, self.token_table)
+        starts, i = [], 0
+        for k in range(shards, 1, -1):
+            i = end[k][i]
+            starts.append(i)
+        return tuple(starts)
+
+
+@functools.lru_cache(maxsize=8)
+def _balanced_splits(layers: tuple[int, ...], first: int, last: int) -> list[list[int]]:
+    """end[k][i]: where the first of k shards made of layers i.. ends, in the split `ParameterCounts.shard_starts`
+    takes, for every k (one table: the plan weighs every shard count). ``first`` and ``last``: parameters the first
+    and the last shard carry beyond their layers."""
+    n = len(layers)
+    prefix = [0]
+    for layer in layers:
+        prefix.append(prefix[-1] + layer)
+
+    def size(i: int, j: int) -> int:  # the shard of layers i..j-1
+        return prefix[j] - prefix[i] + (first if i == 0 else 0) + (last if j == n else 0)
+
+    # best[k][i]: (the largest shard, the sum of the shards' squares) of the best split of layers i.. into k shards,
+    # compared largest first: the smallest largest shard, and the others as even as that leaves them (by the
+    # largest alone, 7 E2B shards could split as 462, 440, 452, 325, 64, 64 and 473 M).
+    best = [[(math.inf, math.inf)] * (n + 1) for _ in range(n + 1)]
+    end = [[n] * (n + 1) for _ in range(n + 1)]
+    for i in range(n):
+        best[1][i] = (size(i, n), size(i, n) ** 2)
+    for k in range(2, n + 1):
+        for i in range(n - k + 1):
+            for j in range(i + 1, n - k + 2):
+                largest, squares = best[k - 1][j]
+                cost = (max(size(i, j), largest), size(i, j) ** 2 + squares)
+                if cost <= best[k][i]:
+                    best[k][i], end[k][i] = cost, j
+    return end
 
 
 @dataclass(frozen=True)
@@ -181,6 +242,7 @@ class MemoryEstimate:
 
     stages: dict[str, float]
     shards: int
+    starts: tuple[int, ...] = ()  # the decoder layers that begin shards 2..N
 
     @property
     def peak(self) -> float:
@@ -195,8 +257,10 @@ class MemoryEstimate:
         return self.stages["lower"]
 
 
-def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, evaluate: bool = False) -> MemoryEstimate:
-    """Estimated per-stage peak RSS (GB) of exporting a model of these parameter counts in ``shards`` shards."""
+def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, evaluate: bool = False,
+             starts: tuple[int, ...] | None = None) -> MemoryEstimate:
+    """Estimated per-stage peak RSS (GB) of exporting a model of these parameter counts in ``shards`` shards, split
+    where ``starts`` says (by default `ParameterCounts.shard_starts`, as the exporter splits)."""
     stored = counts.stored_bytes / GB_BYTES
     table, rest = counts.token_table * stored, (counts.total - counts.token_table) * stored
     quantized = config.quant.is_quantized
@@ -206,7 +270,7 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     tables = config.embedding_quant or (EmbeddingQuant(4, 32) if quantized else EmbeddingQuant(0, 0))
     table_extra = counts.tables * max(0.0, _table_bytes_per_param(tables) - _MEASURED_TABLE_BYTES) / GB_BYTES
     float_model = counts.total * 4 / GB_BYTES if evaluate else 0.0  # the float32 Hugging Face model kept for --evaluate
-    starts = shard_starts(len(counts.layers), shards)
+    starts = counts.shard_starts(shards) if starts is None else starts
     shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
     stages = {}
     for name, (a, b) in _STAGE_FIT.items():
@@ -228,7 +292,7 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
         # forward passes; GPTQ's Hessians are held until the 4-bit weights are rounded.
         stages = {"plan": stages["calibrate"] + plan_gib(counts, config), **stages}
         stages["calibrate"] += hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
-    return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards)
+    return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards, starts)
 
 
 def _weight_extra_bytes(counts: ParameterCounts, config: ExportConfig) -> float:
@@ -277,7 +341,7 @@ def htp_weight_bytes(config: ExportConfig) -> float:
 
 def shard_weights_gb(counts: ParameterCounts, config: ExportConfig, shards: int) -> float:
     """GB of weights in the largest of ``shards`` HTP contexts (an upper bound: `htp_weight_bytes`)."""
-    return counts.largest_shard(shard_starts(len(counts.layers), shards)) * htp_weight_bytes(config) / GB_BYTES
+    return counts.largest_shard(counts.shard_starts(shards)) * htp_weight_bytes(config) / GB_BYTES
 
 
 def fewest_loadable_shards(counts: ParameterCounts, config: ExportConfig) -> int:
@@ -286,6 +350,14 @@ def fewest_loadable_shards(counts: ParameterCounts, config: ExportConfig) -> int
     layers = len(counts.layers)
     return next((n for n in range(1, layers + 1) if shard_weights_gb(counts, config, n) <= HTP_CONTEXT_WEIGHTS_GB),
                 layers)
+
+
+def fewest_shards_per_call(counts: ParameterCounts) -> int:
+    """The fewest shards that keep each within `SHARD_PARAMS`, or that make the largest as small as any count makes
+    it (a shard holds at least one layer: the lm_head's shard never gets smaller than the lm_head and a layer)."""
+    layers = len(counts.layers)
+    target = max(SHARD_PARAMS, counts.largest_shard(counts.shard_starts(layers)))
+    return next(n for n in range(1, layers + 1) if counts.largest_shard(counts.shard_starts(n)) <= target)
 
 
 def _check_loadable(counts: ParameterCounts, config: ExportConfig, shards: int, floor: int) -> None:
@@ -392,6 +464,7 @@ class MemoryPlan:
     budget_source: str  # "--max-memory", "MemAvailable ... less margin", "cgroup memory limit ... less margin", or "unknown"
     auto: bool
     loadable_floor: int = 1  # the fewest shards the HTP can load (`fewest_loadable_shards`)
+    call_floor: int = 1  # the fewest that keep each HTP call within ExecuTorch's per-shard size (`fewest_shards_per_call`)
 
     def summary(self) -> str:
         """The one line the exporter prints."""
@@ -400,6 +473,8 @@ class MemoryPlan:
         budget = f"budget {self.budget_gib:.1f} GB ({self.budget_source})" if self.budget_gib is not None else "no budget known"
         if self.auto and self.loadable_floor > 1:
             budget += f" and the HTP's {HTP_CONTEXT_LIMIT_GB:.0f} GB context (at least {self.loadable_floor})"
+        if self.auto and self.call_floor > max(1, self.loadable_floor):
+            budget += f", at least {self.call_floor} for ExecuTorch's per-shard size ({SHARD_PARAMS / 1e6:.0f} M parameters)"
         return (f"Memory: {est.shards} shard(s) {chosen} {budget}; estimated peak {est.peak:.1f} GB ({est.peak_stage}), "
                 f"lowering {est.lowering:.1f} GB (anonymous memory, which the kernel cannot reclaim; an estimate "
                 "fitted to measured exports, not a measurement)")
@@ -407,11 +482,15 @@ class MemoryPlan:
 
 def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluate: bool = False,
                        meminfo: Path = Path("/proc/meminfo"), cgroups: CgroupFiles | None = None) -> MemoryPlan:
-    """The fewest shards whose estimated peak fits the budget and whose contexts the HTP can load
-    (`fewest_loadable_shards`; ``config.shards`` when the user gave one), or an `InvalidInputError` with the estimate
-    and the fix when the export cannot fit or would not load.
+    """The fewest shards whose estimated peak fits the budget, whose contexts the HTP can load
+    (`fewest_loadable_shards`) and whose HTP calls stay within ExecuTorch's per-shard size (`fewest_shards_per_call`);
+    ``config.shards`` when the user gave one. An `InvalidInputError` with the estimate and the fix when the export
+    cannot fit or would not load.
 
-    Fewest, because every shard is one more HTP graph call per token on the phone."""
+    Fewest, because every shard is one more HTP graph call per token on the phone; not fewer than ExecuTorch's
+    per-shard size, because one call over about 10 ms costs more (STOCK_RUNNER.md). The balanced shards this gives
+    are also what compiles side by side: at Gemma-4-E2B's size, 4 shards of 536-586 M parameters where 3 even ones
+    left the lm_head's 1186 M to compile alone."""
     if config.max_memory is not None:
         budget, source = config.max_memory, "--max-memory"
     else:
@@ -424,14 +503,15 @@ def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluat
         _check_loadable(counts, config, config.shards, floor)
         plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)
     else:
-        candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(floor, num_layers + 1)]
+        least = max(floor, fewest_shards_per_call(counts))
+        candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(least, num_layers + 1)]
         # The whole export's peak, not the lowering's alone: with one shard the compile runs in this process, and
         # the stages after it keep what the compiler took.
         fitting = ([c for c in candidates if budget is None or c.peak + FIT_ERROR_GB <= budget]
                    or [c for c in candidates if c.peak <= budget])
         # Nothing fits: the lowest estimate (the fewest shards among equals), for the refusal to quote.
         best = fitting[0] if fitting else min(candidates, key=lambda c: (c.peak, c.shards))
-        plan = MemoryPlan(best, budget, source, auto=True, loadable_floor=floor)
+        plan = MemoryPlan(best, budget, source, auto=True, loadable_floor=floor, call_floor=least)
     if budget is not None and plan.estimate.peak > budget:
         raise InvalidInputError(_refusal(plan, counts, config, evaluate, num_layers))
     return plan

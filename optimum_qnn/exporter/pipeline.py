@@ -299,7 +299,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     # took 32 s where it had taken 22-25).
     digests = BackgroundDigests(folder, load_report.files) if output is not None else None
     methods = [m.name for m in static.contract.methods]
-    shard_starts = config.shard_starts(len(static.contract.layers))
+    shard_starts = memory.estimate.starts  # balanced by parameters (`ParameterCounts.shard_starts`)
     with _stage(result, "export"):
         programs = {name: static.export(name) for name in methods}
     contract, quantized_io = static.contract, None

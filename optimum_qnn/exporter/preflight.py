@@ -78,8 +78,7 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
             f"--max-seq-len {config.shapes.max_seq_len} exceeds the model's max_position_embeddings ({max_pos}); "
             f"choose at most {max_pos}"
         )
-    if config.shards is not None:
-        config.shard_starts(text_config.num_hidden_layers)  # a bad --shards fails here
+    config.check_shards(text_config.num_hidden_layers)  # a bad --shards fails here
     widths = (text_config.hidden_size,)
     if text_config.hidden_size_per_layer_input:
         widths += (text_config.num_hidden_layers * text_config.hidden_size_per_layer_input,)
