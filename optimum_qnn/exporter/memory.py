@@ -189,7 +189,7 @@ class ParameterCounts:
 
     def shard_starts(self, shards: int) -> tuple[int, ...]:
         """The decoder layers that begin shards 2..N of ``shards``, chosen so that the largest shard is as small as
-        contiguous layers allow, and the others as even as that leaves them.
+        contiguous layers allow, and the others about as even as that leaves them.
 
         Even layer counts are not even work: the lm_head (vocabulary x hidden) rides in the last shard, and the KV-
         sharing layers of E2B and E4B have double-wide MLPs. At Gemma-4-E2B's widths, 35 layers in 3 even groups
@@ -219,9 +219,10 @@ def _balanced_splits(layers: tuple[int, ...], first: int, last: int) -> list[lis
     def size(i: int, j: int) -> int:  # the shard of layers i..j-1
         return prefix[j] - prefix[i] + (first if i == 0 else 0) + (last if j == n else 0)
 
-    # best[k][i]: (the largest shard, the sum of the shards' squares) of the best split of layers i.. into k shards,
-    # compared largest first: the smallest largest shard, and the others as even as that leaves them (by the
-    # largest alone, 7 E2B shards could split as 462, 440, 452, 325, 64, 64 and 473 M).
+    # best[k][i]: (the largest shard, the sum of the shards' squares) of the split of layers i.. into k shards kept,
+    # compared largest first. The largest is the smallest any split has (exact); the squares then even out the
+    # others (a heuristic: one split is kept per suffix). By the largest alone, 7 E2B shards could split as 462, 440,
+    # 452, 325, 64, 64 and 473 M; with the squares, 274, 260, 298, 325, 325, 325 and 473.
     best = [[(math.inf, math.inf)] * (n + 1) for _ in range(n + 1)]
     end = [[n] * (n + 1) for _ in range(n + 1)]
     for i in range(n):
