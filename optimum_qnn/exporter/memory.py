@@ -194,7 +194,7 @@ class ParameterCounts:
         Even layer counts are not even work: the lm_head (vocabulary x hidden) rides in the last shard, and the KV-
         sharing layers of E2B and E4B have double-wide MLPs. At Gemma-4-E2B's widths, 35 layers in 3 even groups
         gave shards of 462, 632 and 1186 M parameters; the last one's compile took 8.5 GB and 180 s alone, and its
-        HTP call on the phone more than half the work of a token (tests/test_memory.py has the balanced sizes)."""
+        HTP call on the phone reads more than half of a token's weights (tests/test_memory.py has the balanced sizes)."""
         n = len(self.layers)
         if not 1 <= shards <= n:
             raise InvalidInputError(f"--shards {shards} must be between 1 and the model's {n} decoder layers")
