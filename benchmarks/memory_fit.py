@@ -104,8 +104,8 @@ def add_row(args) -> None:
                             cwd=Path(__file__).parent).stdout.strip()
     stored = json.loads(ROWS_FILE.read_text())
     starts = list(counts_of({"model": args.model, "depth": args.depth, "reuse": args.reuse}).shard_starts(args.shards))
-    row = {"model": args.model, "depth": args.depth, "reuse": args.reuse, "shards": args.shards, "starts": starts, "stages": anon,
-           "rss": rss, "source": args.source, "commit": commit}
+    row = {"model": args.model, "depth": args.depth, "reuse": args.reuse, "shards": args.shards, "starts": starts,
+           "stages": anon, "rss": rss, "source": args.source, "commit": commit}
     stored["rows"] = [r for r in stored["rows"] if r["source"] != args.source] + [row]
     ROWS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"stored: {row}")

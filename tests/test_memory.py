@@ -106,7 +106,7 @@ def test_estimate_grows_with_what_the_rows_did_not_vary(e2b):
 def test_shards_are_balanced_by_parameters(e2b):
     """The lm_head rides in the last shard and the later E2B layers are wider: even layer counts put 1186 M
     parameters in the last of 3 shards. The split takes the smallest largest shard any split of contiguous layers
-    has (checked against every split), and the others as even as that leaves them."""
+    has (checked against every split), and the others about as even as that leaves them."""
     def sizes(starts):
         return e2b.shard_sizes(tuple(starts))
 

@@ -504,7 +504,8 @@ def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluat
         _check_loadable(counts, config, config.shards, floor)
         plan = MemoryPlan(estimate(counts, config, config.shards, evaluate=evaluate), budget, source, auto=False)
     else:
-        least = max(floor, fewest_shards_per_call(counts))
+        per_call = fewest_shards_per_call(counts)
+        least = max(floor, per_call)
         candidates = [estimate(counts, config, n, evaluate=evaluate) for n in range(least, num_layers + 1)]
         # The whole export's peak, not the lowering's alone: with one shard the compile runs in this process, and
         # the stages after it keep what the compiler took.
@@ -512,7 +513,7 @@ def choose_memory_plan(counts: ParameterCounts, config: ExportConfig, *, evaluat
                    or [c for c in candidates if c.peak <= budget])
         # Nothing fits: the lowest estimate (the fewest shards among equals), for the refusal to quote.
         best = fitting[0] if fitting else min(candidates, key=lambda c: (c.peak, c.shards))
-        plan = MemoryPlan(best, budget, source, auto=True, loadable_floor=floor, call_floor=least)
+        plan = MemoryPlan(best, budget, source, auto=True, loadable_floor=floor, call_floor=per_call)
     if budget is not None and plan.estimate.peak > budget:
         raise InvalidInputError(_refusal(plan, counts, config, evaluate, num_layers))
     return plan
