@@ -429,7 +429,8 @@ def estimate_stages(model: str, quant: str, memory_line: str) -> dict[str, float
     """The exporter's own per-stage estimate (optimum_qnn.exporter.memory) at the shard count it printed, as it
     stood before the run: what the run's measurement is held against."""
     from optimum_qnn.config import RECIPES, ExportConfig, QuantScheme, recipe_fields
-    from optimum_qnn.exporter.memory import ParameterCounts, estimate
+    from optimum_qnn.exporter.memory import estimate
+    from optimum_qnn.exporter.parameters import ParameterCounts
 
     chosen = re.match(r"(\d+) shard", memory_line)
     if not chosen:

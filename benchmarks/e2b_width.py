@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from optimum_qnn.exporter.memory import ParameterCounts
+from optimum_qnn.exporter.parameters import ParameterCounts
 
 E2B_LAYERS, E2B_REUSE = 35, 20
 E4B_LAYERS, E4B_REUSE = 42, 18

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from e2b_width import e2b_config, e4b_config  # noqa: E402
 
-from optimum_qnn.exporter.memory import _BASE, _LOWER_BASE, _STAGE_FIT, GB_BYTES, ParameterCounts  # noqa: E402
+from optimum_qnn.exporter.memory import _BASE, _LOWER_BASE, _STAGE_FIT, GB_BYTES  # noqa: E402
+from optimum_qnn.exporter.parameters import ParameterCounts  # noqa: E402
 
 ROWS_FILE = Path(__file__).parent / "memory_rows.json"
 # the stages memory.py estimates, and among them those fitted per stage (load is the base, lower has its own form)

@@ -371,7 +371,7 @@ class ExportConfig:
 
     def check_shards(self, num_layers: int) -> None:
         """A given --shards must leave each shard a decoder layer at least. Where the shards begin is chosen from
-        the model's parameters (`optimum_qnn.exporter.memory.ParameterCounts.shard_starts`)."""
+        the model's parameters (`optimum_qnn.exporter.parameters.ParameterCounts.shard_starts`)."""
         if self.shards is not None and self.shards > num_layers:
             raise InvalidInputError(f"--shards {self.shards} exceeds the model's {num_layers} decoder layers")
 

@@ -227,7 +227,7 @@ def compile_order(shards: int, params: list[int] | None = None, room_params: flo
     largest shard when the layers are split evenly (as the exporter split them before it balanced the shards by
     parameters), so its compile is the longest. Started last, it would run alone after everything else; started
     first, it overlaps the preparation and the compiles of the others (the smallest first, as the memory beside it
-    allows). The exporter's balanced shards (`memory.ParameterCounts.shard_starts`) are within a tenth of each other
+    allows). The exporter's balanced shards (`parameters.ParameterCounts.shard_starts`) are within a tenth of each other
     at E2B's size, and pair in any order.
 
     Unless nothing fits beside it: when the memory left (``room_params``, in parameters the compiler's working set

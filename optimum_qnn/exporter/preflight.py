@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from optimum_qnn.quantization.calibration import CalibrationSource, check_text_file
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.exporter.memory import MemoryPlan, ParameterCounts, choose_memory_plan
+from optimum_qnn.exporter.memory import MemoryPlan, choose_memory_plan
+from optimum_qnn.exporter.parameters import ParameterCounts
 from optimum_qnn.models.gemma4.loading import CheckpointError, check_checkpoint, read_text_config
 
 if TYPE_CHECKING:  # pragma: no cover
