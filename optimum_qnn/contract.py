@@ -10,6 +10,9 @@ import enum
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from optimum_qnn.ops.arrays import as_numpy, like
 from optimum_qnn.ops.mask import MASK_MIN
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,16 +42,17 @@ class TensorSpec:
     def quantized(self) -> bool:
         return self.scale is not None
 
-    def quantize(self, x: "torch.Tensor") -> "torch.Tensor":
-        import torch
+    def quantize(self, x: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+        """``x`` in this tensor's integer encoding (numpy, or torch when ``x`` is a torch tensor)."""
+        info = np.iinfo(self.dtype)
+        real = as_numpy(x).astype(np.float32)
+        q = np.clip(np.round(real / np.float32(self.scale) + np.float32(self.zero_point)), info.min, info.max)
+        return like(x, q.astype(self.dtype))
 
-        info = torch.iinfo(getattr(torch, self.dtype))
-        return torch.round(x / self.scale + self.zero_point).clamp_(info.min, info.max).to(getattr(torch, self.dtype))
-
-    def dequantize(self, q: "torch.Tensor") -> "torch.Tensor":
-        import torch
-
-        return (q.to(torch.float32) - self.zero_point) * self.scale
+    def dequantize(self, q: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+        """The real values of ``q`` (float32; numpy, or torch when ``q`` is a torch tensor)."""
+        real = (as_numpy(q).astype(np.float32) - np.float32(self.zero_point)) * np.float32(self.scale)
+        return like(q, real)
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,7 @@ class RunnerContract:
         caches = [t for t in self.methods[0].inputs if t.name.startswith("k_cache_")]
         if not caches or not caches[0].quantized:
             return 32
-        import torch
-
-        return torch.iinfo(getattr(torch, caches[0].dtype)).bits
+        return np.iinfo(caches[0].dtype).bits
 
     def with_quantized_io(self, encodings: dict[str, tuple[float, int, str]]) -> "RunnerContract":
         """This contract with integer IO: every tensor named in ``encodings`` (name -> scale, zero point, dtype)
@@ -153,9 +155,7 @@ class RunnerContract:
         contract = replace(self, methods=methods)
         mask = contract.methods[0].inputs[1]
         if mask.quantized:
-            import torch
-
-            values = mask.quantize(torch.tensor([self.mask_attend, self.mask_masked])).tolist()
+            values = mask.quantize(np.array([self.mask_attend, self.mask_masked], dtype=np.float32)).tolist()
             contract = replace(contract, mask_attend=float(values[0]), mask_masked=float(values[1]))
         return contract
 
@@ -179,9 +179,9 @@ class RunnerContract:
             if t.name == "tokens":
                 tensors.append(torch.zeros(t.shape, dtype=torch.int64))
             elif t.name == "atten_mask":
-                tensors.append(attention_mask(ar, self.context_len, 0))
+                tensors.append(torch.from_numpy(attention_mask(ar, self.context_len, 0)))
             elif t.name == "sliding_atten_mask":
-                tensors.append(attention_mask(ar, self.context_len, 0, window=self.sliding_window))
+                tensors.append(torch.from_numpy(attention_mask(ar, self.context_len, 0, window=self.sliding_window)))
             elif t.name == "input_pos":
                 tensors.append(torch.arange(ar, dtype=torch.int32).view(1, ar))
             else:

@@ -12,13 +12,12 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.native_output import quiet_runtime
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
 # Hosts whose HTP is the x86 emulator inside onnxruntime-qnn's libQnnHtp.so (`platform.machine()` spells it both ways).
 EMULATOR_MACHINES = frozenset({"x86_64", "amd64"})
@@ -114,14 +113,18 @@ class TimedMethod:
         # The method is looked up per call, never held here: the program's finalizer must be able to free it.
         self.loaded, self.name, self.clock = loaded, name, clock
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    def __call__(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Runs the method on the session's numpy inputs: tensors that share their memory in, numpy views of the
+        runtime's outputs back."""
+        import torch
+
         # The runtime needs contiguous inputs; only the prefill method's K-cache views are not.
-        args = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+        args = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
         with self.loaded.lock:
             t0 = time.perf_counter()
             out = self.loaded.methods[self.name].execute(args)
             self.clock.total += time.perf_counter() - t0
-        return out
+        return [t.numpy() for t in out]
 
 
 def is_emulator_host(machine: str | None = None) -> bool:

@@ -8,19 +8,39 @@ reads the first C-N slots. After each call the host copies the new K/V slices in
 The other inputs (tokens, positions, the two masks) are preallocated per method too. A decode step that follows
 another decode step updates its masks in place (one column opens, and with a sliding window one closes); any other
 call rewrites them from ``ops.mask.attention_mask``.
+
+Everything here is numpy, so a runtime without torch drives the same session: a method is any callable from numpy
+inputs to array outputs (onnxruntime's sessions, ExecuTorch's methods through `torch_method`, the exporter's eager
+graphs). ``feed`` answers in the kind of array it was given: numpy for numpy or lists, torch for torch.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
+import numpy as np
 
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
+from optimum_qnn.ops.arrays import as_numpy, is_torch, like
 from optimum_qnn.ops.mask import MASK_MIN, attention_mask
 
-MethodFn = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+MethodFn = Callable[[Sequence[np.ndarray]], Sequence[Any]]
+
+
+def torch_method(fn: Callable[..., Sequence[Any]], *, grad: bool = False) -> MethodFn:
+    """``fn(*tensors)``, a method of torch tensors, as a session method: each numpy input becomes a tensor sharing
+    its memory (with ``grad=True`` a copy: autograd keeps inputs for the backward pass, and the session rewrites its
+    buffers in place between calls). The outputs stay torch tensors: the session copies the new K/V into its numpy
+    caches and hands the logits back as they are, so with ``grad=True`` they keep their autograd graph."""
+    import torch
+
+    def run(inputs: Sequence[np.ndarray]) -> Sequence[Any]:
+        args = [torch.from_numpy(np.array(a) if grad else a) for a in inputs]
+        with torch.set_grad_enabled(grad):
+            return fn(*args)
+
+    return run
 
 
 class KVSession:
@@ -75,19 +95,19 @@ class KVSession:
         if buffers is None:
             c = self.contract
             buffers = self._method_inputs[spec.name] = _MethodInputs(
-                spec.ar_len, c.context_len, c.sliding_window, _dtype(self.mask_spec), c.mask_attend, c.mask_masked
+                spec.ar_len, c.context_len, c.sliding_window, self.mask_spec.dtype, c.mask_attend, c.mask_masked
             )
         return buffers
 
-    def _call(self, spec, chunk: torch.Tensor) -> torch.Tensor:
+    def _call(self, spec, chunk: np.ndarray) -> np.ndarray:
         """One call of ``spec`` on up to ar_len tokens (padded after the real ones); returns their logits."""
         cache_len = spec.cache_len
-        n_valid = chunk.numel()
+        n_valid = chunk.size
         if self.n_past > cache_len:
             raise ContextOverflowError(f"{self.n_past} tokens do not fit the {cache_len} cache slots of {spec.name}")
         buffers = self._inputs_of(spec)
         buffers.update(chunk, self.n_past)
-        inputs: list[torch.Tensor] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
+        inputs: list[np.ndarray] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
         inputs += [k[..., :cache_len] for k in self.k_bufs]
         inputs += [v[:, :, :cache_len, :] for v in self.v_bufs]
         outputs = self.methods[spec.name](inputs)
@@ -97,19 +117,19 @@ class KVSession:
         # can read, so it is not stored.
         keep = min(hi, self.contract.context_len - 1) - lo
         for i in range(n):
-            self.k_bufs[i][..., lo : lo + keep] = outputs[1 + i][..., :keep]
-            self.v_bufs[i][:, :, lo : lo + keep, :] = outputs[1 + n + i][:, :, :keep, :]
+            self.k_bufs[i][..., lo : lo + keep] = as_numpy(outputs[1 + i])[..., :keep]
+            self.v_bufs[i][:, :, lo : lo + keep, :] = as_numpy(outputs[1 + n + i])[:, :, :keep, :]
         self.n_past = hi
         logits = outputs[0][0, :n_valid]
         return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
 
-    def _check(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids.reshape(-1)
-        if ids.numel() == 0:
+    def _check(self, ids: Any) -> np.ndarray:
+        ids = as_numpy(ids).reshape(-1)
+        if ids.size == 0:
             raise InvalidInputError("Cannot feed an empty sequence of token ids")
-        if self.n_past + ids.numel() > self.capacity:
+        if self.n_past + ids.size > self.capacity:
             raise ContextOverflowError(
-                f"{self.n_past} + {ids.numel()} tokens exceed the exported context of {self.capacity} tokens; "
+                f"{self.n_past} + {ids.size} tokens exceed the exported context of {self.capacity} tokens; "
                 "shorten the prompt or export with a larger --max-seq-len"
             )
         vocab = self.contract.vocab_size
@@ -117,37 +137,45 @@ class KVSession:
             raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
         return ids
 
-    def feed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Append ``ids`` (1-D) to the context; returns their logits ``[len(ids), vocab]``.
+    def feed(self, ids: Any) -> Any:
+        """Append ``ids`` (1-D: numpy, a list, or a torch tensor) to the context; returns their logits
+        ``[len(ids), vocab]`` (float32; a torch tensor when ``ids`` is one, else numpy).
 
         Whole prefill chunks go through the prefill method while they fit; the rest goes token by token.
         """
-        ids = self._check(ids)
-        logits: list[torch.Tensor] = []
+        given, ids = ids, self._check(ids)
+        logits: list[np.ndarray] = []
         start = 0
         spec = self.prefill_spec
-        while spec is not None and start < ids.numel() and self.n_past <= spec.cache_len and ids.numel() - start > 1:
+        while spec is not None and start < ids.size and self.n_past <= spec.cache_len and ids.size - start > 1:
             chunk = ids[start : start + spec.ar_len]
             logits.append(self._call(spec, chunk))
-            start += chunk.numel()
-        for i in range(start, ids.numel()):
+            start += chunk.size
+        for i in range(start, ids.size):
             logits.append(self._call(self.decode_spec, ids[i : i + 1]))
-        return torch.cat(logits, dim=0)
+        return _joined(given, logits)
 
-    def feed_method(self, method: str, ids: torch.Tensor) -> torch.Tensor:
+    def feed_method(self, method: str, ids: Any) -> Any:
         """Append ``ids`` through one method only, in calls of its ar_len (the last one padded)."""
-        ids = self._check(ids)
+        given, ids = ids, self._check(ids)
         spec = self.contract.method(method)
-        logits = [self._call(spec, ids[start : start + spec.ar_len]) for start in range(0, ids.numel(), spec.ar_len)]
-        return torch.cat(logits, dim=0)
+        logits = [self._call(spec, ids[start : start + spec.ar_len]) for start in range(0, ids.size, spec.ar_len)]
+        return _joined(given, logits)
 
 
-def _dtype(spec) -> torch.dtype:
-    return getattr(torch, spec.dtype)
+def _joined(given: Any, logits: list[Any]) -> Any:
+    """The calls' logits as one array of the kind ``given`` is (torch tensors from a torch method are joined as they
+    are, keeping their autograd graph)."""
+    if is_torch(logits[0]):
+        import torch
+
+        joined = torch.cat(logits, dim=0)
+        return joined if is_torch(given) else as_numpy(joined)
+    return like(given, np.concatenate(logits, axis=0))
 
 
-def _zeros(spec) -> torch.Tensor:
-    return torch.zeros(spec.shape, dtype=_dtype(spec))
+def _zeros(spec) -> np.ndarray:
+    return np.zeros(spec.shape, dtype=spec.dtype)
 
 
 class _MethodInputs:
@@ -155,34 +183,34 @@ class _MethodInputs:
 
     Masks hold ``attend`` / ``masked`` (float 0 / `MASK_MIN`, or their quantized values for integer IO)."""
 
-    def __init__(self, ar_len: int, context_len: int, window: int | None, mask_dtype: torch.dtype = torch.float32,
+    def __init__(self, ar_len: int, context_len: int, window: int | None, mask_dtype: Any = np.float32,
                  attend: float = 0.0, masked: float = MASK_MIN):
         self.ar_len, self.context_len, self.window = ar_len, context_len, window
         self.attend, self.masked = attend, masked
-        self.tokens = torch.zeros(1, ar_len, dtype=torch.int64)
-        self.pos = torch.zeros(1, ar_len, dtype=torch.int32)
-        self.mask = torch.empty(1, 1, ar_len, context_len, dtype=mask_dtype)
-        self.sliding_mask = torch.empty(1, 1, ar_len, context_len, dtype=mask_dtype)
+        self.tokens = np.zeros((1, ar_len), dtype=np.int64)
+        self.pos = np.zeros((1, ar_len), dtype=np.int32)
+        self.mask = np.empty((1, 1, ar_len, context_len), dtype=mask_dtype)
+        self.sliding_mask = np.empty((1, 1, ar_len, context_len), dtype=mask_dtype)
         self._state: tuple[int, int] | None = None  # (n_past, n_valid) the masks describe
 
-    def update(self, chunk: torch.Tensor, n_past: int) -> None:
-        n_valid = chunk.numel()
-        self.tokens.zero_()
+    def update(self, chunk: np.ndarray, n_past: int) -> None:
+        n_valid = chunk.size
+        self.tokens[...] = 0
         self.tokens[0, :n_valid] = chunk
-        torch.arange(n_past, n_past + self.ar_len, out=self.pos[0]).clamp_(max=self.context_len - 1)
+        np.minimum(np.arange(n_past, n_past + self.ar_len), self.context_len - 1, out=self.pos[0], casting="unsafe")
         if self.ar_len == 1 and self._state == (n_past - 1, 1):
             self._step(n_past)
         elif self._state != (n_past, n_valid):
             ar, ctx = self.ar_len, self.context_len
-            self.mask.copy_(self._values(attention_mask(ar, ctx, n_past, n_valid=n_valid)))
-            self.sliding_mask.copy_(self._values(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid)))
+            self.mask[...] = self._values(attention_mask(ar, ctx, n_past, n_valid=n_valid))
+            self.sliding_mask[...] = self._values(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid))
         self._state = (n_past, n_valid)
 
-    def _values(self, mask: torch.Tensor) -> torch.Tensor:
+    def _values(self, mask: np.ndarray) -> np.ndarray:
         """``attention_mask``'s 0 / `MASK_MIN` as this input's values."""
         if self.attend == 0.0 and self.masked == MASK_MIN:
             return mask
-        return torch.where(mask == 0, self.attend, self.masked)
+        return np.where(mask == 0, self.attend, self.masked)
 
     def _step(self, n_past: int) -> None:
         """Decode masks of ``n_past - 1`` -> ``n_past``: slot ``n_past - 1`` now holds the previous token."""

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, AttentionKind, LayerSpec, RunnerContract
 from optimum_qnn.ops.mask import MASK_MIN
 from optimum_qnn.quantization.io import io_dtype, quantized_inputs
-from optimum_qnn.session import KVSession
+from optimum_qnn.session import KVSession, torch_method
 
 CONTEXT, AR, WINDOW, VOCAB = 24, 4, 5, 32
 LAYERS = (LayerSpec(0, AttentionKind.SLIDING, 8, 1, 0, 0), LayerSpec(1, AttentionKind.FULL, 16, 2, 1, 1))
@@ -55,7 +55,7 @@ def _session(contract: RunnerContract, calls: list):
     def method(name):
         spec = contract.method(name)
 
-        def run(inputs):
+        def run(*inputs):
             calls.append((name, [t.clone() for t in inputs]))
             pos = inputs[3][0].to(torch.int64)
             outs = []
@@ -71,7 +71,7 @@ def _session(contract: RunnerContract, calls: list):
 
         return run
 
-    return KVSession(contract, {m.name: method(m.name) for m in contract.methods})
+    return KVSession(contract, {m.name: torch_method(method(m.name)) for m in contract.methods})
 
 
 @settings(max_examples=40, deadline=None)

@@ -162,11 +162,11 @@ def call_inputs(model: ToyGemma, tokens: torch.Tensor, n_past: int, ar_len: int)
     if n_past:
         empty_k, empty_v = torch.zeros(1, KV_HEADS, HEAD_DIM, 0), torch.zeros(1, KV_HEADS, 0, HEAD_DIM)
         with torch.no_grad():
-            _, k, v = model(tokens[:, :n_past], attention_mask(n_past, n_past, 0), empty_k, empty_v)
+            _, k, v = model(tokens[:, :n_past], torch.from_numpy(attention_mask(n_past, n_past, 0)), empty_k, empty_v)
         k_cache[..., :n_past] = k
         v_cache[:, :, :n_past] = v
     ids = tokens[:, n_past : n_past + ar_len]
-    return ids, attention_mask(ar_len, CONTEXT, n_past), k_cache, v_cache
+    return ids, torch.from_numpy(attention_mask(ar_len, CONTEXT, n_past)), k_cache, v_cache
 
 
 @dataclass

@@ -6,7 +6,7 @@ position of each token, so the cache contents can be checked slot by slot.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +17,7 @@ from optimum_qnn.session import KVSession
 CONTEXT, AR, WINDOW = 24, 4, 5
 
 
-def make_session(window: int | None) -> tuple[KVSession, list[tuple[str, list[torch.Tensor]]]]:
+def make_session(window: int | None) -> tuple[KVSession, list[tuple[str, list[np.ndarray]]]]:
     layers = (
         LayerSpec(0, AttentionKind.SLIDING, 8, 1, 0, 0),
         LayerSpec(1, AttentionKind.FULL, 16, 2, 1, 1),
@@ -25,19 +25,19 @@ def make_session(window: int | None) -> tuple[KVSession, list[tuple[str, list[to
     contract = RunnerContract.build(
         layers, vocab_size=32, context_len=CONTEXT, ar_lens={PREFILL_METHOD: AR, DECODE_METHOD: 1}, sliding_window=window
     )
-    calls: list[tuple[str, list[torch.Tensor]]] = []
+    calls: list[tuple[str, list[np.ndarray]]] = []
 
     def method(name: str):
         spec = contract.method(name)
 
-        def run(inputs):
-            calls.append((name, [t.clone() for t in inputs]))
-            pos = inputs[3][0].float()
-            outs = [torch.zeros(o.shape) for o in spec.outputs]
+        def run(inputs):  # the session hands numpy arrays, as onnxruntime and ExecuTorch's methods get them
+            calls.append((name, [t.copy() for t in inputs]))
+            pos = inputs[3][0].astype(np.float32)
+            outs = [np.zeros(o.shape, dtype=np.float32) for o in spec.outputs]
             for k in outs[1 : 1 + len(layers)]:
-                k[:] = pos.view(1, 1, 1, -1)  # K slice [1, kv, hd, ar]: every entry = the token's position
+                k[:] = pos.reshape(1, 1, 1, -1)  # K slice [1, kv, hd, ar]: every entry = the token's position
             for v in outs[1 + len(layers) :]:
-                v[:] = pos.view(1, 1, -1, 1)
+                v[:] = pos.reshape(1, 1, -1, 1)
             return outs
 
         return run
@@ -61,17 +61,17 @@ def test_inputs_of_every_call_match_their_definition(actions, window):
             continue
         before = len(calls)
         n_past = session.n_past
-        session.feed(torch.arange(n) + 3)
+        session.feed(np.arange(n) + 3)
         for name, inputs in calls[before:]:
             ar = AR if name == PREFILL_METHOD else 1
             n_valid = int((inputs[0] != 0).sum())
-            assert torch.equal(inputs[1], attention_mask(ar, CONTEXT, n_past, n_valid=n_valid))
-            assert torch.equal(inputs[2], attention_mask(ar, CONTEXT, n_past, window=window, n_valid=n_valid))
-            expected_pos = torch.arange(n_past, n_past + ar).clamp(max=CONTEXT - 1)
+            assert np.array_equal(inputs[1], attention_mask(ar, CONTEXT, n_past, n_valid=n_valid))
+            assert np.array_equal(inputs[2], attention_mask(ar, CONTEXT, n_past, window=window, n_valid=n_valid))
+            expected_pos = np.minimum(np.arange(n_past, n_past + ar), CONTEXT - 1)
             assert inputs[3].tolist() == [expected_pos.tolist()]
             # Cache slots [0, n_past) hold the positions written by earlier calls.
             for k in inputs[4:6]:
-                assert torch.equal(k[0, 0, 0, :n_past], torch.arange(n_past, dtype=torch.float32))
+                assert np.array_equal(k[0, 0, 0, :n_past], np.arange(n_past, dtype=np.float32))
             n_past += n_valid
         assert session.n_past == n_past
 
@@ -81,8 +81,8 @@ def test_decode_steps_reuse_their_input_buffers():
     session, _ = make_session(WINDOW)
     seen = []
     decode = session.methods[DECODE_METHOD]
-    session.methods[DECODE_METHOD] = lambda inputs: (seen.append([t.data_ptr() for t in inputs[:4]]), decode(inputs))[1]
-    session.feed(torch.arange(6) + 3)
+    session.methods[DECODE_METHOD] = lambda inputs: (seen.append([t.ctypes.data for t in inputs[:4]]), decode(inputs))[1]
+    session.feed(np.arange(6) + 3)
     for _ in range(5):
-        session.feed(torch.tensor([7]))
+        session.feed(np.array([7]))
     assert len(seen) == 5 and all(ptrs == seen[0] for ptrs in seen)

@@ -80,9 +80,9 @@ def simulated_tokens(contract, graphs) -> list[int]:
     """Greedy tokens of the converted (PT2E fake-quant) graphs with the HTP's RmsNorm truncation, run through the runner
     contract as the .pte is."""
     from optimum_qnn.quantization.htp_rounding import htp_rounding
-    from optimum_qnn.session import KVSession
+    from optimum_qnn.session import KVSession, torch_method
 
-    methods = {name: (lambda inputs, g=htp_rounding(g): g(*inputs)) for name, g in graphs.items()}
+    methods = {name: torch_method(htp_rounding(g)) for name, g in graphs.items()}
     with torch.no_grad():
         return greedy(KVSession(contract, methods), NEW_TOKENS)
 

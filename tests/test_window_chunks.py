@@ -94,8 +94,9 @@ def _masked_logits(static: StaticCausalLM) -> tuple[torch.Tensor, torch.Tensor]:
     inputs[3] = torch.arange(ar, 2 * ar, dtype=inputs[3].dtype).view(1, ar)
     for i in range(4, len(inputs)):
         inputs[i] = torch.randn_like(inputs[i])
-    full = attention_mask(ar, ctx, ar)
-    ours = static.module(inputs[0], full, attention_mask(ar, ctx, ar, window=WINDOW7), *inputs[3:])[0]
+    full = torch.from_numpy(attention_mask(ar, ctx, ar))
+    window = torch.from_numpy(attention_mask(ar, ctx, ar, window=WINDOW7))
+    ours = static.module(inputs[0], full, window, *inputs[3:])[0]
     runner = full.clone()  # own columns causal (as the full mask), past columns closed by the window
-    runner[..., : ctx - ar] = attention_mask(ar, ctx, ar, window=WINDOW7)[..., : ctx - ar]
+    runner[..., : ctx - ar] = window[..., : ctx - ar]
     return ours, static.module(inputs[0], full, runner, *inputs[3:])[0]

@@ -7,7 +7,12 @@ appended inside the graph. A mask value of 0 means "attend", MASK_MIN means "mas
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 # Large enough that exp(MASK_MIN) vanishes next to any attended score, small enough to stay finite in fp16
 # and to quantize exactly at 16 bits (0 -> 65535, MASK_MIN -> 0 with scale 255/65535): the same value
@@ -22,8 +27,8 @@ def attention_mask(
     *,
     window: int | None = None,
     n_valid: int | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+    dtype: "np.typing.DTypeLike" = np.float32,
+) -> np.ndarray:
     """Build the additive mask of one call.
 
     Row i is the token at position ``n_past + i``. Cache column j (< C - ar_len) holds position j and is open
@@ -48,17 +53,18 @@ def attention_mask(
         window: sliding-window size (a token sees itself and the ``window - 1`` tokens before it), or None.
         n_valid: rows beyond this count are padding; their columns are kept closed for the real rows
             (padding only follows real tokens, so causality already guarantees that).
-        dtype: floating dtype of the result.
+        dtype: floating numpy dtype of the result.
 
     Returns:
-        A ``[1, 1, ar_len, context_len]`` tensor of 0 / MASK_MIN.
+        A ``[1, 1, ar_len, context_len]`` array of 0 / MASK_MIN (numpy: the runtime builds masks without torch; the
+        exporter wraps it with ``torch.from_numpy``).
     """
     cache_len = context_len - ar_len
     if n_past < 0 or n_past > cache_len:
         raise ValueError(f"n_past={n_past} is outside the cache of {cache_len} slots")
-    rows = torch.arange(ar_len).unsqueeze(1)  # i
-    slots = torch.arange(cache_len).unsqueeze(0)  # j
-    cols = torch.arange(ar_len).unsqueeze(0)  # c
+    rows = np.arange(ar_len)[:, None]  # i
+    slots = np.arange(cache_len)[None, :]  # j
+    cols = np.arange(ar_len)[None, :]  # c
     open_cache = slots < n_past
     open_new = cols <= rows
     if window is not None:
@@ -66,13 +72,12 @@ def attention_mask(
         open_new = open_new & ((rows - cols) < window)
     if n_valid is not None:
         open_new = open_new & (cols < n_valid)
-    allowed = torch.cat([open_cache.expand(ar_len, cache_len), open_new], dim=1)
-    mask = torch.full((ar_len, context_len), MASK_MIN, dtype=dtype)
-    mask.masked_fill_(allowed, 0.0)
-    return mask.view(1, 1, ar_len, context_len)
+    allowed = np.concatenate([np.broadcast_to(open_cache, (ar_len, cache_len)), open_new], axis=1)
+    mask = np.where(allowed, 0.0, MASK_MIN).astype(dtype)
+    return mask.reshape(1, 1, ar_len, context_len)
 
 
-def window_band(ar_len: int, context_len: int, window: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def window_band(ar_len: int, context_len: int, window: int, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
     """The sliding window among one call's own tokens: MASK_MIN where row i meets column ``C - ar_len + c`` with
     ``i - c >= window``, 0 everywhere else (every cache column included).
 
@@ -81,8 +86,10 @@ def window_band(ar_len: int, context_len: int, window: int, dtype: torch.dtype =
     the window to past columns only (``KVManager::init_attention_mask``), so a prefill graph whose call is longer than
     the window applies this band itself; with ``ar_len <= window`` the band is all zeros and is never built.
     """
+    import torch  # a graph constant of the exporter: the runtime never builds it
+
     rows = torch.arange(ar_len).unsqueeze(1)
     cols = torch.arange(ar_len).unsqueeze(0)
-    band = torch.zeros((ar_len, context_len), dtype=dtype)
+    band = torch.zeros((ar_len, context_len), dtype=dtype or torch.float32)
     band[:, context_len - ar_len :].masked_fill_((rows - cols) >= window, MASK_MIN)
     return band.view(1, 1, ar_len, context_len)

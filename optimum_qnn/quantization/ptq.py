@@ -17,7 +17,7 @@ from optimum_qnn.quantization.calibration import token_sequences
 from optimum_qnn.config import ExportConfig, QuantScheme, WeightRanges, WeightRounding
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
 from optimum_qnn.progress import bar
-from optimum_qnn.session import KVSession
+from optimum_qnn.session import KVSession, torch_method
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def quantize_static(
 
     def calibrate(prepared: torch.nn.Module) -> None:
         spec = contract.method(calibrate_on)
-        _feed(KVSession(contract, {spec.name: lambda inputs: prepared(*inputs)}), calibrate_on, seqs, "Calibrating")
+        _feed(KVSession(contract, {spec.name: torch_method(prepared)}), calibrate_on, seqs, "Calibrating")
         if clips:
             from optimum_qnn.quantization.weight_search import apply_clips
 
@@ -163,8 +163,8 @@ def _probe_session(static) -> KVSession:
     """A KV session that runs the float module with autograd on. Each call's inputs are copies (the session rewrites
     its buffers in place between calls) and its new K/V leave detached, so a probe's gradient stays within a call."""
 
-    def run(inputs):
-        outputs = static.module(*[t.clone() for t in inputs])
+    def run(*inputs):
+        outputs = static.module(*inputs)
         return [outputs[0], *(o.detach() for o in outputs[1:])]
 
-    return KVSession(static.contract, {m.name: run for m in static.contract.methods})
+    return KVSession(static.contract, {m.name: torch_method(run, grad=True) for m in static.contract.methods})

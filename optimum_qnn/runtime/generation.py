@@ -10,9 +10,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 
 from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.ops.arrays import as_numpy
 
 # What `from_pretrained(..., device="runner" | "adb", **options)` hands to `backends.runner.RunnerBackend`.
 RUNNER_OPTIONS = frozenset({"runner", "qnn_sdk_root", "shared_buffer"})
@@ -56,32 +57,34 @@ class Sampling:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    generator: torch.Generator | None = None
+    generator: Any = None  # a numpy Generator, a torch.Generator, or None (fresh entropy)
 
-    def pick(self, logits: torch.Tensor) -> int:
+    def pick(self, logits: np.ndarray) -> int:
         return pick(logits, self.do_sample, self.temperature, self.top_k, self.top_p, self.generator)
 
 
-def prompt_ids(input_ids) -> torch.Tensor:
-    """``input_ids`` as a 1-D Long tensor, or `InvalidInputError` saying what is wrong with them."""
+def prompt_ids(input_ids) -> np.ndarray:
+    """``input_ids`` (a list of ints, a numpy array, or a torch tensor) as a 1-D int64 array, or `InvalidInputError`
+    saying what is wrong with them."""
     try:
-        ids = torch.as_tensor(input_ids)
+        ids = as_numpy(input_ids)
     except (TypeError, ValueError, RuntimeError) as e:
         raise InvalidInputError(
-            f"input_ids must be token ids (a list of ints or an integer tensor); got {type(input_ids).__name__} ({e})"
+            f"input_ids must be token ids (a list of ints or an integer array); got {type(input_ids).__name__} ({e})"
         ) from None
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if ids.dtype == object or ids.dtype.kind not in "iu" and not (ids.size == 0 and ids.dtype.kind == "f"):
+        what = "ragged or non-numeric values" if ids.dtype == object else f"{ids.dtype} values"
         raise InvalidInputError(
-            f"input_ids must be integer token ids; got a {ids.dtype} tensor (tokenize text with the model's tokenizer, "
-            "or convert with .long() if the values are whole)"
+            f"input_ids must be integer token ids; got {what} (tokenize text with the model's tokenizer, "
+            "or convert to integers if the values are whole)"
         )
-    if ids.dim() == 2 and ids.shape[0] != 1 or ids.dim() > 2:
+    if ids.ndim == 2 and ids.shape[0] != 1 or ids.ndim > 2:
         raise InvalidInputError(
             f"input_ids has shape {tuple(ids.shape)}: the exported runner generates for one sequence at a time "
-            "(batch size 1); pass a 1-D tensor or shape [1, N], and loop over prompts"
+            "(batch size 1); pass a 1-D sequence or shape [1, N], and loop over prompts"
         )
-    ids = ids.reshape(-1).long()
-    if ids.numel() == 0:
+    ids = ids.reshape(-1).astype(np.int64)
+    if ids.size == 0:
         raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
     return ids  # the range of the ids is checked by the session, for every call
 
@@ -95,8 +98,14 @@ def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, st
     check_sampling(do_sample, temperature, top_k, top_p)
     if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
         raise InvalidInputError(f"streamer must have put(tensor) and end() methods (e.g. a TextStreamer); got {type(streamer).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise InvalidInputError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+    if generator is not None and not (isinstance(generator, np.random.Generator) or _is_torch_generator(generator)):
+        raise InvalidInputError(
+            f"generator must be a numpy.random.Generator or a torch.Generator; got {type(generator).__name__}"
+        )
+
+
+def _is_torch_generator(generator: Any) -> bool:
+    return type(generator).__module__.startswith("torch") and hasattr(generator, "manual_seed")
 
 
 def eos_ids(eos_token_id, *, default: Sequence[int]) -> set[int]:
@@ -136,18 +145,38 @@ def check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:
         raise InvalidInputError(f"top_p must be in (0, 1] (1 or None: no nucleus filter); got {top_p!r}")
 
 
-def pick(logits: torch.Tensor, do_sample: bool, temperature: float, top_k, top_p, generator) -> int:
+def pick(logits: np.ndarray, do_sample: bool, temperature: float, top_k, top_p, generator) -> int:
+    """The next token from one row of logits: the first maximum when greedy, else one draw from the filtered
+    softmax. The draw is one uniform number from ``generator`` (a numpy or a torch generator: seeded, it repeats)
+    mapped through the cumulative distribution."""
+    logits = as_numpy(logits)
     if not do_sample:
-        return int(torch.argmax(logits))
+        return int(np.argmax(logits))
     check_sampling(do_sample, temperature, top_k, top_p)
-    scores = logits.float() / temperature
+    scores = logits.astype(np.float64) / temperature
     if top_k is not None and top_k > 0:
-        kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        kth = np.partition(scores, -min(top_k, scores.size))[-min(top_k, scores.size)]
+        scores = np.where(scores < kth, -np.inf, scores)
     if top_p is not None and 0 < top_p < 1:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_scores, dim=-1) > top_p  # keep the token that crosses top_p
-        scores[order[drop]] = float("-inf")
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        order = np.argsort(-scores, kind="stable")
+        probs = _softmax(scores[order])
+        drop = np.cumsum(probs) - probs > top_p  # keep the token that crosses top_p
+        scores[order[drop]] = -np.inf
+    cdf = np.cumsum(_softmax(scores))
+    return int(min(np.searchsorted(cdf, _uniform(generator) * cdf[-1], side="right"), scores.size - 1))
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+def _uniform(generator: Any) -> float:
+    """One draw in [0, 1) from ``generator``."""
+    if generator is None:
+        return float(np.random.default_rng().random())
+    if isinstance(generator, np.random.Generator):
+        return float(generator.random())
+    import torch  # a torch.Generator was given, so torch is installed
+
+    return float(torch.rand((), generator=generator, dtype=torch.float64))

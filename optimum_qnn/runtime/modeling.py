@@ -16,13 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
+import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, read_manifest, resolve_inside
 from optimum_qnn.artifacts.variants import VariantNotFoundError, select_variant, verify_files
 from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.ops.arrays import like
 from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
     RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, prompt_ids,
@@ -140,10 +141,9 @@ class QNNModelForCausalLM:
     def eos_token_ids(self) -> list[int]:
         return list(self.manifest.tokenizer.eos_ids)
 
-    @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor | Sequence[int],
+        input_ids: Any,
         max_new_tokens: int = 32,
         *,
         do_sample: bool = False,
@@ -152,11 +152,13 @@ class QNNModelForCausalLM:
         top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: Any = None,
-        generator: torch.Generator | None = None,
+        generator: Any = None,
         reuse_cache: bool = False,
         cancel: Callable[[], bool] | None = None,
-    ) -> torch.Tensor:
-        """Generate up to ``max_new_tokens`` after ``input_ids``; returns ``[1, prompt + new]`` ids.
+    ) -> Any:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` (a list of ints, a numpy array or a torch tensor);
+        returns ``[1, prompt + new]`` ids: a torch tensor when ``input_ids`` is one, else a numpy int64 array.
+        ``generator``: a ``numpy.random.Generator`` or a ``torch.Generator`` for repeatable sampling.
 
         Stops at an EOS id (default: the manifest's; the C++ runner also stops at its own end tokens), at
         ``max_new_tokens``, at the end of the context, or when ``cancel()`` returns True (checked before each new
@@ -177,9 +179,9 @@ class QNNModelForCausalLM:
         if streamer is not None:
             if not getattr(self.backend, "streams", False):  # a runner gives its text when it exits
                 for token in new:
-                    streamer.put(torch.tensor([token]))
+                    streamer.put(np.array([token]))
             streamer.end()
-        return torch.tensor(prompt.tolist() + new, dtype=torch.long).unsqueeze(0)
+        return like(input_ids, np.array([prompt.tolist() + new], dtype=np.int64))
 
     def chat(self, system: str | None = None, *, tokenizer: Any = None, **generation_defaults: Any) -> "ChatSession":
         """Start a conversation (`runtime.chat.ChatSession`): ``send(text)`` returns each reply, and on the host backend
@@ -203,15 +205,11 @@ class QNNModelForCausalLM:
             clear()
 
     def tokenizer(self) -> Any:
-        """The artifact's tokenizer (``AutoTokenizer`` on the artifact folder's files; nothing is downloaded)."""
-        from transformers import AutoTokenizer
+        """The artifact's tokenizer (`runtime.tokenizer.ArtifactTokenizer` on the artifact folder's files: no
+        transformers needed, nothing downloaded)."""
+        from optimum_qnn.runtime.tokenizer import ArtifactTokenizer
 
-        if not any((self.root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise InvalidInputError(
-                f"The artifact at {self.root} has no tokenizer files (its source model had none): pass token ids "
-                "(generate(), --prompt-ids), or export from a model folder that holds its tokenizer"
-            )
-        return AutoTokenizer.from_pretrained(self.root)
+        return ArtifactTokenizer(self.root)
 
     def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
         """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
@@ -219,7 +217,7 @@ class QNNModelForCausalLM:
             raise InvalidInputError(f"prompt must be a string; got {type(prompt).__name__} (use generate() for token ids)")
         if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
             raise InvalidInputError(
-                f"tokenizer must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained(folder)); got {type(tokenizer).__name__}"
+                f"tokenizer must be a tokenizer (model.tokenizer(), or a Hugging Face one); got {type(tokenizer).__name__}"
             )
         if chat:
             if not getattr(tokenizer, "chat_template", None):
@@ -232,7 +230,7 @@ class QNNModelForCausalLM:
                 ids = ids["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        out = self.generate(torch.tensor(ids), **kwargs)
-        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        out = self.generate(list(ids), **kwargs)
+        return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from optimum_qnn.ops.mask import MASK_MIN, attention_mask
 
@@ -14,7 +14,7 @@ def brute(ar, ctx, n_past, window, n_valid=None):
     tokens never attend to them, and padding rows attend only the real tokens before them (never a padding
     column, not even their own: no row of the call ever reads a padding token's K/V)."""
     cache = ctx - ar
-    out = torch.full((ar, ctx), MASK_MIN)
+    out = np.full((ar, ctx), MASK_MIN, dtype=np.float32)
     for i in range(ar):
         q = n_past + i
         for col in range(ctx):
@@ -29,7 +29,7 @@ def brute(ar, ctx, n_past, window, n_valid=None):
 
 @pytest.mark.parametrize("ar,ctx,n_past,window", [(1, 8, 0, None), (1, 8, 7, 3), (3, 10, 4, None), (3, 10, 7, 2), (4, 12, 5, 4)])
 def test_mask_matches_definition(ar, ctx, n_past, window):
-    assert torch.equal(attention_mask(ar, ctx, n_past, window=window)[0, 0], brute(ar, ctx, n_past, window))
+    assert np.array_equal(attention_mask(ar, ctx, n_past, window=window)[0, 0], brute(ar, ctx, n_past, window))
 
 
 @pytest.mark.parametrize(
@@ -39,9 +39,9 @@ def test_mask_matches_definition(ar, ctx, n_past, window):
 def test_padded_call_matches_definition(ar, ctx, n_past, window, n_valid):
     """A prefill call with fewer real tokens than ar_len (what the runner builds for the last chunk of a prompt)."""
     got = attention_mask(ar, ctx, n_past, window=window, n_valid=n_valid)[0, 0]
-    assert torch.equal(got, brute(ar, ctx, n_past, window, n_valid))
+    assert np.array_equal(got, brute(ar, ctx, n_past, window, n_valid))
     # Causality alone keeps padding from the real rows; the n_valid branch is what closes it to the padding rows.
-    assert not torch.equal(got, attention_mask(ar, ctx, n_past, window=window)[0, 0])
+    assert not np.array_equal(got, attention_mask(ar, ctx, n_past, window=window)[0, 0])
 
 
 def test_n_past_outside_cache_raises():

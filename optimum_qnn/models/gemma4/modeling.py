@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions
-from optimum_qnn.session import KVSession
+from optimum_qnn.session import KVSession, torch_method
 from optimum_qnn.swap import SWAPS, SwapError, SwapReport, apply_swaps
 
 logger = logging.getLogger(__name__)
@@ -103,11 +103,7 @@ class StaticCausalLM:
     def session(self) -> KVSession:
         """A KV session that runs this module eagerly, method by method, as a device runner would."""
 
-        @torch.no_grad()
-        def run(inputs):
-            return self.module(*inputs)
-
-        return KVSession(self.contract, {m.name: run for m in self.contract.methods})
+        return KVSession(self.contract, {m.name: torch_method(self.module) for m in self.contract.methods})
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None) -> torch.Tensor:

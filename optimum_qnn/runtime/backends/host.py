@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.errors import ContextOverflowError
@@ -48,7 +48,7 @@ class HostBackend:
         self.held = []
         self.session.reset()
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
+    def generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
                  streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
         """The new tokens after ``prompt`` (1-D ids, checked by the caller); fills ``self.stats``.
 
@@ -57,9 +57,9 @@ class HostBackend:
         """
         session = self.session
         capacity = session.capacity
-        if prompt.numel() > capacity:
+        if prompt.size > capacity:
             raise ContextOverflowError(
-                f"The prompt has {prompt.numel()} tokens but the exported context holds {capacity}; "
+                f"The prompt has {prompt.size} tokens but the exported context holds {capacity}; "
                 "shorten it or export with a larger --max-seq-len"
             )
         eos = eos_ids(eos_token_id, default=self.manifest.tokenizer.eos_ids)
@@ -83,7 +83,7 @@ class HostBackend:
             token = sampling.pick(logits)
             new.append(token)
             if streamer is not None:
-                streamer.put(torch.tensor([token]))
+                streamer.put(np.array([token]))
             if token in eos:
                 stats.stopped_by = "eos"
                 break
@@ -98,7 +98,7 @@ class HostBackend:
                 break
             before = self.clock.total
             s0 = time.perf_counter()
-            logits = session.feed(torch.tensor([token]))[-1]
+            logits = session.feed(np.array([token]))[-1]
             stats.step_times.append(time.perf_counter() - s0)
             decode_exec += self.clock.total - before
         stats.new_tokens = len(new)
