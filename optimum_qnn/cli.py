@@ -172,9 +172,33 @@ def _parse_override(text: str) -> tuple[str, QuantScheme]:
     return pattern, QuantScheme.parse(scheme)
 
 
+# What exporting needs beyond the runtime install (`pip install "optimum-qnn[export]"`).
+EXPORT_STACK = ("torch", "executorch", "transformers", "torchao")
+EXPORT_INSTALL = "pip install \"optimum-qnn[export]\""
+
+
+def check_export_stack() -> None:
+    """Refuse, before any work, an export on the runtime install (no torch, ExecuTorch or transformers)."""
+    import importlib.util
+
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ImportError:  # a finder that knows the package is not importable here
+            return False
+
+    missing = [name for name in EXPORT_STACK if not installed(name)]
+    if missing:
+        raise InvalidInputError(
+            f"Exporting needs {', '.join(missing)}, which the runtime install leaves out: install the exporter with "
+            f"`{EXPORT_INSTALL}` (on Linux x86_64 with Python 3.11; running an export needs only `pip install optimum-qnn`)"
+        )
+
+
 def run_export(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     try:
+        check_export_stack()
         configs = configs_from_args(args)
         if args.push_to_hub is not None:
             _check_repo_id(args.push_to_hub)

@@ -80,7 +80,10 @@ def third_party_quiet(verbose: bool, *, keep_stdout: bool = False) -> Iterator[N
     import tempfile
     import warnings
 
-    import torch  # noqa: F401  (torch configures its loggers on import; hold them after that)
+    try:
+        import torch  # noqa: F401  (torch configures its loggers on import; hold them after that)
+    except ImportError:  # the runtime install has no torch: no logger of its to hold
+        pass
 
     levels = {name: logging.getLogger(name).level for name in _OWN_HANDLER_LOGGERS}
     flush_output()

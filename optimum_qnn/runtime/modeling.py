@@ -1,6 +1,8 @@
 """`QNNModelForCausalLM`: generate text with an exported artifact, through one of the runtime backends.
 
-- ``device="host"``: ExecuTorch's Python runtime in this process (a Snapdragon host's HTP, or the x86 HTP emulator);
+- ``device="host"``: in this process, through ExecuTorch's Python runtime (``host:executorch``: where its wheel has the
+  QNN backend, x86_64 Linux) or onnxruntime-qnn (``host:onnxruntime``: Windows on Snapdragon, Linux boards, and any
+  host without ExecuTorch); ``host`` alone picks the first that this host has (`default_host_runtime`);
 - ``device="runner"``: ExecuTorch's C++ ``qnn_llama_runner`` on this machine (an aarch64 Linux board or a
   Windows-on-Snapdragon laptop, where no ExecuTorch Python wheel has the QNN backend; on x86, the emulator);
 - ``device="adb"`` / ``"adb:SERIAL"``: the same runner on a phone plugged into this machine.
@@ -56,9 +58,7 @@ class QNNModelForCausalLM:
         self.manifest = manifest
         self.contract: RunnerContract = manifest.runner_contract()
         if backend is None:
-            from optimum_qnn.runtime.backends.host import HostBackend
-
-            backend = HostBackend(variant, manifest, allowed_root=allowed_root)
+            backend = host_backend(variant, manifest, DeviceSpec("host"), allowed_root=allowed_root)
         self.backend = backend
 
     @property
@@ -91,7 +91,8 @@ class QNNModelForCausalLM:
             quant: e.g. ``"16a4w_block64"``; None when unambiguous.
             context_len: the exported context length, when several exist.
             revision: Hub revision to download.
-            device: ``"host"`` (ExecuTorch's Python runtime here), ``"runner"`` (ExecuTorch's C++ runner here) or
+            device: ``"host"`` (in this process, through this host's default runtime), ``"host:executorch"`` or
+                ``"host:onnxruntime"`` (that runtime), ``"runner"`` (ExecuTorch's C++ runner here) or
                 ``"adb"`` / ``"adb:SERIAL"`` (that runner on a phone). ``device_options`` go to the runner backend
                 (`runtime.backends.runner.RunnerBackend`: ``runner``, ``qnn_sdk_root``, ``shared_buffer``).
         """
@@ -130,8 +131,9 @@ class QNNModelForCausalLM:
         verify_files(variant, manifest, root=root, allowed_root=blobs)
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
-        backend = None
-        if spec.kind != "host":
+        if spec.kind == "host":
+            backend = host_backend(variant, manifest, spec, allowed_root=blobs)
+        else:
             from optimum_qnn.runtime.backends.runner import RunnerBackend
 
             backend = RunnerBackend(root, variant, manifest, device=spec, allowed_root=blobs, **device_options)
@@ -234,3 +236,20 @@ class QNNModelForCausalLM:
         return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
+
+
+def host_backend(variant: Path, manifest: Manifest, spec: DeviceSpec, *, allowed_root: Path | None = None) -> Any:
+    """The in-process backend of ``spec`` (``host``, ``host:executorch`` or ``host:onnxruntime``)."""
+    from optimum_qnn.runtime.backends.device import default_host_runtime
+
+    runtime = spec.runtime
+    if runtime is None:
+        runtime, why = default_host_runtime()
+        logger.info("Running in %s: %s", runtime, why)
+    if runtime == "executorch":
+        from optimum_qnn.runtime.backends.host import ExecuTorchBackend
+
+        return ExecuTorchBackend(variant, manifest, allowed_root=allowed_root)
+    from optimum_qnn.runtime.backends.ort import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend(variant, manifest, allowed_root=allowed_root)

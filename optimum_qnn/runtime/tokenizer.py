@@ -4,8 +4,8 @@ template through jinja2, the special tokens from ``tokenizer_config.json``.
 The runtime installs without torch and transformers (Windows on Snapdragon, Linux boards), so it reads the files the
 export copied beside the variants itself. It follows transformers 5.23's `TokenizersBackend` on the points a Gemma4
 artifact uses (`tests/test_tokenizer.py` compares the two on the demo tokenizer):
-- ``add_special_tokens=True`` applies tokenizer.json's post-processor, unless tokenizer_config.json sets
-  ``add_bos_token`` / ``add_eos_token``, which then decide (transformers rebuilds the post-processor from them);
+- ``add_special_tokens=True`` applies tokenizer.json's post-processor (transformers' tokenizer classes may rebuild
+  it from ``add_bos_token`` / ``add_eos_token``; for the demo's class it does not, and the runtime follows the file);
 - decoding cleans up tokenization spaces only when the config asks (``clean_up_tokenization_spaces``);
 - the chat template renders in a sandboxed jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the
   ``tojson`` filter that does not escape HTML, ``raise_exception`` and ``strftime_now``
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -66,7 +65,7 @@ class ArtifactTokenizer:
         template = self.folder / TEMPLATE_FILE
         self.chat_template: str | None = template.read_text() if template.is_file() else self.config.get("chat_template")
         self.special_tokens = {name: _content(self.config.get(name)) for name in _SPECIAL}
-        self._explicit_bos_eos = "add_bos_token" in self.config or "add_eos_token" in self.config
+        self._compiled: tuple[str, Any] | None = None
 
     # --- ids ---------------------------------------------------------------------------------------------------
     def convert_tokens_to_ids(self, token: str) -> int | None:
@@ -90,15 +89,7 @@ class ArtifactTokenizer:
 
     # --- text -> ids -> text -----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not self._explicit_bos_eos:
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        if add_special_tokens:
-            if self.config.get("add_bos_token") and self.bos_token_id is not None:
-                ids.insert(0, self.bos_token_id)
-            if self.config.get("add_eos_token") and self.eos_token_id is not None:
-                ids.append(self.eos_token_id)
-        return ids
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         if not isinstance(text, str):
@@ -117,8 +108,10 @@ class ArtifactTokenizer:
         return text
 
     # --- conversations -----------------------------------------------------------------------------------------
-    @cached_property
     def _template(self):
+        """The chat template compiled (once per template text: a caller may set ``chat_template``)."""
+        if self._compiled is not None and self._compiled[0] == self.chat_template:
+            return self._compiled[1]
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -133,7 +126,8 @@ class ArtifactTokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        self._compiled = (self.chat_template, env.from_string(self.chat_template))
+        return self._compiled[1]
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = False,
                             tokenize: bool = True, **variables: Any) -> str | list[int]:
@@ -144,6 +138,6 @@ class ArtifactTokenizer:
                 f"The tokenizer in {self.folder} has no chat template: use plain prompts (no --chat), or export from a "
                 "model whose tokenizer_config.json or chat_template.jinja holds one"
             )
-        text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+        text = self._template().render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                      **{k: v for k, v in self.special_tokens.items() if v is not None}, **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -1,5 +1,7 @@
-"""The host backend: the .pte in ExecuTorch's Python runtime in this process (a Snapdragon host's HTP, or the x86
-HTP emulator), driven token by token through the runner contract (`session.KVSession`).
+"""The in-process backends: a variant's graphs run in this process, driven token by token through the runner
+contract (`session.KVSession`): `ExecuTorchBackend` (the .pte in ExecuTorch's Python runtime) and, in
+`runtime/backends/ort.py`, the same contexts in onnxruntime-qnn. Both share `InProcessBackend`'s generation
+logic, so they cannot differ in what they do with the caches, the stops or the sampling.
 
 The caches outlive a call: ``held`` lists the tokens whose K/V they hold, and a call with ``reuse_cache=True``
 whose prompt begins with some of them keeps those slots and prefills only the rest (a conversation's next turn, or
@@ -18,29 +20,30 @@ import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.errors import ContextOverflowError
-from optimum_qnn.program import ExecClock, LoadedProgram, ProgramFacts, TimedMethod
 from optimum_qnn.runtime.generation import GenerationStats, Sampling, common_prefix, eos_ids
-from optimum_qnn.session import KVSession
+from optimum_qnn.session import KVSession, MethodFn
 
 logger = logging.getLogger(__name__)
 
 
-class HostBackend:
-    """Runs one variant here. ``program`` is the shared loaded .pte, ``session`` its KV session (tokens stream out
-    as they are generated)."""
+class InProcessBackend:
+    """Generates through ``methods`` (method name -> callable in runner-contract order), keeping the caches
+    between calls. ``clock.total`` must grow by the seconds each method call spends in its runtime."""
 
-    name = "host"
+    runtime = ""  # the subclass's: "executorch" or "onnxruntime"
     streams = True  # the streamer gets each token as it is generated
 
-    def __init__(self, variant: Path, manifest: Manifest, *, allowed_root: Path | None = None):
+    @property
+    def name(self) -> str:
+        """Where the tokens are computed, as a device name: ``host:executorch`` or ``host:onnxruntime``."""
+        return f"host:{self.runtime}"
+
+    def __init__(self, manifest: Manifest, methods: dict[str, MethodFn], clock: Any):
         self.manifest = manifest
         self.contract = manifest.runner_contract()
         self.stats = GenerationStats()
-        pte = resolve_inside(variant, manifest.program.path, allowed_root=allowed_root)
-        self.program = LoadedProgram.get(pte, ProgramFacts.of(manifest))
-        self.clock = ExecClock()
-        timed = {m.name: TimedMethod(self.program, m.name, self.clock) for m in self.contract.methods}
-        self.session = KVSession(self.contract, timed)
+        self.clock = clock
+        self.session = KVSession(self.contract, methods)
         self.held: list[int] = []  # the tokens whose K/V the caches hold, slots [0, len(held))
 
     def clear_cache(self) -> None:
@@ -109,3 +112,22 @@ class HostBackend:
             stats.host_overhead_share = max(0.0, 1.0 - decode_exec / decode_time)
         self.stats = stats
         return new
+
+
+class ExecuTorchBackend(InProcessBackend):
+    """The variant's .pte in ExecuTorch's Python runtime here (a Snapdragon host's HTP, or the x86 HTP emulator).
+    ``program`` is the shared loaded .pte (`program.LoadedProgram`)."""
+
+    runtime = "executorch"
+
+    def __init__(self, variant: Path, manifest: Manifest, *, allowed_root: Path | None = None):
+        from optimum_qnn.program import ExecClock, LoadedProgram, ProgramFacts, TimedMethod
+
+        pte = resolve_inside(variant, manifest.program.path, allowed_root=allowed_root)
+        self.program = LoadedProgram.get(pte, ProgramFacts.of(manifest))
+        clock = ExecClock()
+        contract = manifest.runner_contract()
+        super().__init__(manifest, {m.name: TimedMethod(self.program, m.name, clock) for m in contract.methods}, clock)
+
+
+HostBackend = ExecuTorchBackend  # the name earlier releases gave it
