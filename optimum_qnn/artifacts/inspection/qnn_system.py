@@ -338,7 +338,7 @@ class QnnSystem:
 
     def __init__(self, library: Path, *, import_torch: bool = True):
         """Load `library`. `import_torch=False` is for callers that made loading a QNN library before torch safe
-        themselves (`optimum_qnn.runtime.backends.onnxruntime.libraries.protect_unwinder`) and must stay torch-free."""
+        themselves (`optimum_qnn.sdk.onnxruntime_ep.protect_unwinder`) and must stay torch-free."""
         if import_torch:
             import torch  # noqa: F401  (a QNN library loaded before torch crashes the process)
 

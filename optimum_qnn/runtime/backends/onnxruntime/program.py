@@ -34,12 +34,7 @@ from optimum_qnn.artifacts.inspection.pte_plan import DelegateCall, ExecutionPla
 from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, TensorInfo
 from optimum_qnn.program import check_host_can_run, check_pte_structure
 from optimum_qnn.runtime.backends.onnxruntime import cpu_ops
-from optimum_qnn.runtime.backends.onnxruntime.libraries import (
-    OrtBackendError,
-    htp_backend_path,
-    qnn_ep_devices,
-    qnn_system,
-)
+from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, protect_unwinder, qnn_ep_devices, qnn_system
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
 
 logger = logging.getLogger(__name__)
@@ -157,6 +152,7 @@ class OrtProgram:
     def __init__(self, pte: Path | str, manifest: Any, *, methods: Sequence[str] | None = None):
         t0 = time.perf_counter()
         self.path = Path(pte)
+        protect_unwinder()  # before any QNN library, whatever loads next (torch, executorch) in this process
         check_host_can_run(manifest.contract.weight_sharing, str(self.path))
         check_pte_structure(self.path)
         self.lock = threading.Lock()

@@ -1,6 +1,6 @@
 """onnxruntime-qnn in this process: the QNN execution provider registered once, and QNN libraries loaded safely.
 
-Two measured hazards shape this module (x86_64 Linux, onnxruntime 1.32 / onnxruntime-qnn 2.5.0, torch 2.13):
+Three measured hazards shape this module (x86_64 Linux, onnxruntime 1.32 / onnxruntime-qnn 2.5.0, torch 2.13):
 
 1. **A QNN library loaded before torch breaks C++ exceptions for the rest of the process.** The QNN libraries
    bring a private `libunwind` (`onnxruntime_qnn.libs/libunwind-*.so`). When the system `libgcc_s.so.1` is first
@@ -8,7 +8,13 @@ Two measured hazards shape this module (x86_64 Linux, onnxruntime 1.32 / onnxrun
    `libunwind`; the first exception torch throws afterwards (importing executorch does) segfaults inside
    `unw_get_reg`. Loading `libgcc_s.so.1` globally *before* any QNN library binds it to itself, and the crash is
    gone (`protect_unwinder`). This is what lets this backend load QNN without importing torch.
-2. **The QNN execution provider is registered once per process**: a second `register_execution_provider_library`
+2. **onnxruntime loaded after the QNN libraries went global segfaults.** `ensure_qnn_sdk` (the ExecuTorch
+   backend's set-up) loads `libQnnHtp.so` with RTLD_GLOBAL, which puts its private `libc++abi` in the global
+   scope; onnxruntime's Python module, loaded afterwards, binds `__gxx_personality_v0` to it and its first
+   (libstdc++) exception crashes in `_Unwind_GetLanguageSpecificData`. So `ensure_qnn_sdk` calls
+   `bind_onnxruntime_first` before its global loads: onnxruntime and the QNN EP library bind to libstdc++ while the
+   global scope is still clean (0.2 s, only when onnxruntime-qnn is installed).
+3. **The QNN execution provider is registered once per process**: a second `register_execution_provider_library`
    with the same name fails, and every session draws its devices from that one registration.
 
 Nothing here imports torch or executorch.
@@ -35,6 +41,17 @@ _devices: list | None = None
 
 class OrtBackendError(OptimumQnnError):
     """The onnxruntime backend cannot load or run a program; the message says why and what to do."""
+
+
+def bind_onnxruntime_first() -> None:
+    """Load onnxruntime and register the QNN EP now, if they are installed (hazard 2): called by `ensure_qnn_sdk`
+    before it loads the QNN libraries globally, so the onnxruntime backend can still load later in the process."""
+    try:
+        import onnxruntime  # noqa: F401
+        import onnxruntime_qnn  # noqa: F401
+    except ImportError:
+        return
+    qnn_ep_devices()
 
 
 def protect_unwinder() -> None:
@@ -78,7 +95,6 @@ def qnn_ep_devices() -> list[Any]:
         return _devices
     with _lock:
         if _devices is None:
-            protect_unwinder()
             package_dir()
             import onnxruntime
             import onnxruntime_qnn
