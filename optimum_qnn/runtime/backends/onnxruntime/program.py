@@ -32,7 +32,7 @@ import numpy as np
 
 from optimum_qnn.artifacts.inspection.pte_plan import DelegateCall, ExecutionPlan, KernelCall, TensorValue, read_plans
 from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, TensorInfo
-from optimum_qnn.program import check_host_can_run, check_pte_structure
+from optimum_qnn.program import check_pte_structure, host_can_run
 from optimum_qnn.runtime.backends.onnxruntime import cpu_ops
 from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, protect_unwinder, qnn_ep_devices, qnn_system
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
@@ -153,7 +153,13 @@ class OrtProgram:
         t0 = time.perf_counter()
         self.path = Path(pte)
         protect_unwinder()  # before any QNN library, whatever loads next (torch, executorch) in this process
-        check_host_can_run(manifest.contract.weight_sharing, str(self.path))
+        if not host_can_run(manifest.contract.weight_sharing):
+            # Measured: onnxruntime-qnn fails with QNN_COMMON_ERROR_NOT_SUPPORTED, and QNN's log says why.
+            raise OrtBackendError(
+                f"{self.path} shares weights between its prefill and decode graphs, which the x86 HTP emulator "
+                "cannot load (QNN: \"Shared weights buffer isn't supported on this platform\"). Run it on a "
+                "Snapdragon host, or re-export with --no-weight-sharing to run it on x86."
+            )
         check_pte_structure(self.path)
         self.lock = threading.Lock()
         self.exec_seconds, self.calls = 0.0, 0
