@@ -239,6 +239,9 @@ def _load_globally(lib_dir: Path, host: Host) -> None:
     """
     import torch  # noqa: F401  (import order matters, see above)
 
+    from optimum_qnn.sdk.onnxruntime_ep import bind_onnxruntime_first
+
+    bind_onnxruntime_first()  # onnxruntime loaded after the global loads below would crash (see that module)
     for name in host.libraries:
         try:
             ctypes.CDLL(str(lib_dir / name), mode=ctypes.RTLD_GLOBAL)

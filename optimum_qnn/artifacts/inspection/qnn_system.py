@@ -336,8 +336,11 @@ class QnnSystem:
 
     _instance: "QnnSystem | None" = None
 
-    def __init__(self, library: Path):
-        import torch  # noqa: F401  (a QNN library loaded before torch crashes the process)
+    def __init__(self, library: Path, *, import_torch: bool = True):
+        """Load `library`. `import_torch=False` is for callers that made loading a QNN library before torch safe
+        themselves (`optimum_qnn.sdk.onnxruntime_ep.protect_unwinder`) and must stay torch-free."""
+        if import_torch:
+            import torch  # noqa: F401  (a QNN library loaded before torch crashes the process)
 
         lib = ctypes.CDLL(str(library))
         get_providers = lib.QnnSystemInterface_getProviders

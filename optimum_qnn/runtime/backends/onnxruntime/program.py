@@ -1,0 +1,284 @@
+"""Run an exported `.pte` through onnxruntime-qnn, without torch or ExecuTorch.
+
+The program is read from the `.pte` itself (`artifacts.inspection.pte_plan`): each method's instruction chain runs
+here in order, its CPU kernels in numpy (`cpu_ops`), each QNN delegate as an onnxruntime session over the delegate's
+own context binary (`onnx_model.ep_context_model`). A context that holds several graphs (prefill and decode of one
+shard) is loaded once: its first graph's session carries the context (`main_context=1`), the others take their
+graph from it (`main_context=0`, session option `ep.share_ep_contexts=1`).
+
+Delegate arguments map to graph tensors the way ExecuTorch's QNN backend maps them (executorch 1.5.1,
+`QnnManager::AllocateTensor` and `QnnExecuTorchBackend::execute`): the graph's inputs sorted by the number after the
+first `_` of their names (`input_3_caches_4@0` is input 3) take the first args in order; then every graph output
+whose name starts with `output_`, in the context's order, takes the next arg.
+
+Example:
+    >>> from optimum_qnn.artifacts.manifest import read_manifest
+    >>> program = OrtProgram(folder / "model.pte", read_manifest(folder))
+    >>> logits, *caches = program.methods["kv_forward"](inputs)  # inputs in runner-contract order
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from optimum_qnn.artifacts.inspection.pte_plan import DelegateCall, ExecutionPlan, KernelCall, TensorValue, read_plans
+from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, TensorInfo
+from optimum_qnn.program import check_pte_structure, host_can_run
+from optimum_qnn.runtime.backends.onnxruntime import cpu_ops
+from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, protect_unwinder, qnn_ep_devices, qnn_system
+from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
+
+logger = logging.getLogger(__name__)
+
+# QNN data types as the System library names them -> the numpy dtype of their bytes.
+_QNN_NUMPY = {
+    "float32": "float32", "float16": "float16", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool8": "bool",
+    "ufixed8": "uint8", "ufixed16": "uint16", "ufixed32": "uint32", "sfixed8": "int8", "sfixed16": "int16",
+    "sfixed32": "int32",
+}
+QNN_BACKEND_ID = "QnnBackend"
+
+
+@dataclass(frozen=True)
+class _GraphCall:
+    """One delegate call bound to its onnxruntime session: which values feed which graph tensors."""
+
+    session: Any
+    input_names: tuple[str, ...]
+    input_args: tuple[int, ...]
+    output_names: tuple[str, ...]
+    output_args: tuple[int, ...]
+
+
+def _graph_input_number(tensor: TensorInfo) -> int:
+    """ExecuTorch's `CompareExportedInput`: the integer after the first `_` of the name."""
+    tail = tensor.name.split("_", 1)[1] if "_" in tensor.name else ""
+    digits = tail.split("_", 1)[0]
+    if not digits.isdigit():
+        raise OrtBackendError(f"QNN graph input {tensor.name!r} does not carry ExecuTorch's input number")
+    return int(digits)
+
+
+def _tensor_type(t: TensorInfo) -> TensorType:
+    if t.dtype not in _QNN_NUMPY:
+        raise OrtBackendError(f"QNN graph tensor {t.name!r} has type {t.dtype}, which this backend cannot pass")
+    return TensorType(t.name, _QNN_NUMPY[t.dtype], tuple(t.shape))
+
+
+def _check_value(value: Any, tensor: TensorType, where: str) -> None:
+    if not isinstance(value, TensorValue):
+        raise OrtBackendError(f"{where}: the program passes a non-tensor to QNN graph tensor {tensor.name!r}")
+    if value.dtype != tensor.dtype or tuple(value.sizes) != tensor.shape:
+        raise OrtBackendError(
+            f"{where}: the program's {value.dtype}{list(value.sizes)} does not match QNN graph tensor {tensor.name!r} "
+            f"({tensor.dtype}{list(tensor.shape)}); the .pte and its context disagree, export it again"
+        )
+
+
+class _Method:
+    """One method, callable with its inputs in runner-contract order; returns its outputs in that order."""
+
+    def __init__(self, program: "OrtProgram", plan: ExecutionPlan, steps: list, specs: Sequence[Any]):
+        self.program, self.plan, self.steps, self.specs = program, plan, steps, tuple(specs)
+        self.values: list = [self._initial(v) for v in plan.values]
+        self._slots = list(self.values)  # the constants and output specs, restored per call
+
+    @staticmethod
+    def _initial(value: Any) -> Any:
+        if isinstance(value, TensorValue):
+            if value.constant is not None:
+                return np.frombuffer(value.constant, dtype=value.dtype).reshape(value.sizes)
+            return cpu_ops.output_spec(value)
+        return value
+
+    def __call__(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        plan = self.plan
+        if len(inputs) != len(plan.inputs):
+            raise OrtBackendError(f"{plan.name} takes {len(plan.inputs)} inputs, got {len(inputs)}")
+        with self.program.lock:
+            t0 = time.perf_counter()
+            values = self._slots.copy()
+            for index, spec, x in zip(plan.inputs, self.specs, inputs):
+                x = np.asarray(x)
+                if x.dtype != spec.dtype or x.shape != tuple(spec.shape):
+                    raise OrtBackendError(
+                        f"{plan.name} input {spec.name} must be {spec.dtype}{list(spec.shape)}, got {x.dtype}{list(x.shape)}"
+                    )
+                values[index] = np.ascontiguousarray(x)
+            for step in self.steps:
+                if isinstance(step, _GraphCall):
+                    feed = {name: values[arg] for name, arg in zip(step.input_names, step.input_args)}
+                    for arg, out in zip(step.output_args, step.session.run(step.output_names, feed)):
+                        values[arg] = out
+                else:
+                    kernel, args = step
+                    kernel(values, args)
+            outputs = [values[i] for i in plan.outputs]
+            self.program.exec_seconds += time.perf_counter() - t0
+            self.program.calls += 1
+        return outputs
+
+
+class OrtProgram:
+    """A variant's `.pte` loaded into onnxruntime-qnn, kept loaded between calls.
+
+    Args:
+        pte: the variant's `model.pte`.
+        manifest: its `optimum_qnn.artifacts.manifest.Manifest` (the runner contract, the weight-sharing flag).
+        methods: the methods to load (default: every method of the runner contract).
+
+    Attributes:
+        methods: name -> callable taking the method's inputs in runner-contract order (numpy arrays of the
+            contract's dtypes and shapes) and returning its outputs in contract order.
+        load_seconds: wall time of the load (reading the program, creating every session).
+        exec_seconds, calls: time spent inside method calls and how many, for the caller's timing.
+
+    Raises:
+        OptimumQnnError: a weight-shared program on the x86 emulator (before anything loads), a corrupt file, a
+            program whose CPU side holds an operator this backend has no kernel for (named), or a context that
+            onnxruntime-qnn cannot load.
+    """
+
+    def __init__(self, pte: Path | str, manifest: Any, *, methods: Sequence[str] | None = None):
+        t0 = time.perf_counter()
+        self.path = Path(pte)
+        protect_unwinder()  # before any QNN library, whatever loads next (torch, executorch) in this process
+        if not host_can_run(manifest.contract.weight_sharing):
+            # Measured: onnxruntime-qnn fails with QNN_COMMON_ERROR_NOT_SUPPORTED, and QNN's log says why.
+            raise OrtBackendError(
+                f"{self.path} shares weights between its prefill and decode graphs, which the x86 HTP emulator "
+                "cannot load (QNN: \"Shared weights buffer isn't supported on this platform\"). Run it on a "
+                "Snapdragon host, or re-export with --no-weight-sharing to run it on x86."
+            )
+        check_pte_structure(self.path)
+        self.lock = threading.Lock()
+        self.exec_seconds, self.calls = 0.0, 0
+        # The manifest's own contract section, not `manifest.runner_contract()`: the same names, dtypes and shapes
+        # in the same order, without importing the exporter's torch-based contract module.
+        specs_by_method = {m.name: m.inputs for m in manifest.contract.methods}
+        names = list(methods) if methods is not None else list(specs_by_method)
+        with open(self.path, "rb") as f:
+            # Mapped, not read: the constants (embedding tables) stay views into the file, paged in as used.
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        plans = read_plans(self._map, str(self.path))
+        for name in names:
+            if name not in plans:
+                raise OrtBackendError(f"{self.path} has no method {name!r}; it has: {', '.join(plans)}")
+            _check_plan(plans[name], str(self.path))
+        self._sessions: list[Any] = []
+        graph_calls = self._load_graphs([plans[n] for n in names])
+        self.methods: dict[str, Callable[[Sequence[np.ndarray]], list[np.ndarray]]] = {}
+        for name in names:
+            plan = plans[name]
+            specs = specs_by_method[name]
+            steps = [
+                graph_calls[name, step.delegate] if isinstance(step, DelegateCall)
+                else (cpu_ops.KERNELS[plan.operators[step.op]], step.args)
+                for step in plan.instructions
+            ]
+            self.methods[name] = _Method(self, plan, steps, specs)
+        self.load_seconds = time.perf_counter() - t0
+        logger.info("Loaded %s into onnxruntime-qnn in %.2f s (%d sessions)", self.path, self.load_seconds,
+                    len(self._sessions))
+
+    def _load_graphs(self, plans: list[ExecutionPlan]) -> dict[tuple[str, int], _GraphCall]:
+        """One session per (method, QNN delegate); each context binary loaded once."""
+        system = qnn_system()
+        by_context: dict[str, list[tuple[ExecutionPlan, int]]] = {}
+        for plan in plans:
+            for index in sorted(plan.qnn):
+                by_context.setdefault(plan.qnn[index].key, []).append((plan, index))
+        calls: dict[tuple[str, int], _GraphCall] = {}
+        for key, users in by_context.items():
+            binary = users[0][0].qnn[users[0][1]].binary
+            try:
+                graphs = {g.name: g for g in system.binary_info(binary).graphs}
+            except QnnInspectError as e:
+                raise OrtBackendError(f"{self.path}: QNN context {key} cannot be read ({e}); export it again") from None
+            share = len(users) > 1
+            for position, (plan, index) in enumerate(users):
+                graph = graphs.get(plan.name) or (next(iter(graphs.values())) if len(graphs) == 1 else None)
+                if graph is None:
+                    raise OrtBackendError(
+                        f"{self.path}: method {plan.name}'s QNN context {key} has no graph of that name "
+                        f"(it has {', '.join(graphs)})"
+                    )
+                main = position == 0
+                session = self._session(graph, binary if main else None, main=main, share=share)
+                calls[plan.name, index] = self._bind(plan, plan.instructions, index, graph, session)
+        return calls
+
+    def _session(self, graph: GraphInfo, binary: Any, *, main: bool, share: bool) -> Any:
+        import onnxruntime
+
+        model = ep_context_model(
+            graph.name, [_tensor_type(t) for t in graph.inputs], [_tensor_type(t) for t in graph.outputs],
+            binary, main_context=main,
+        )
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 3  # the QNN EP logs every graph it loads at warning level
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        if share:
+            options.add_session_config_entry("ep.share_ep_contexts", "1")
+        options.add_provider_for_devices(qnn_ep_devices(), {"backend_path": str(htp_backend_path())})
+        try:
+            session = onnxruntime.InferenceSession(model, sess_options=options)
+        except Exception as e:  # onnxruntime raises its own exception types (Fail, RuntimeException...)
+            raise OrtBackendError(
+                f"onnxruntime-qnn cannot load QNN graph {graph.name!r} of {self.path}: {e}"
+            ) from None
+        self._sessions.append(session)
+        return session
+
+    def _bind(self, plan: ExecutionPlan, instructions, index: int, graph: GraphInfo, session: Any) -> _GraphCall:
+        call = next(i for i in instructions if isinstance(i, DelegateCall) and i.delegate == index)
+        inputs = sorted(graph.inputs, key=_graph_input_number)
+        outputs = [t for t in graph.outputs if t.name.startswith("output_")]
+        where = f"{self.path} method {plan.name} delegate {index}"
+        if len(call.args) != len(inputs) + len(outputs):
+            raise OrtBackendError(
+                f"{where}: the call passes {len(call.args)} values, the QNN graph {graph.name!r} has "
+                f"{len(inputs)} inputs and {len(outputs)} outputs"
+            )
+        in_args, out_args = call.args[:len(inputs)], call.args[len(inputs):]
+        for arg, tensor in zip(call.args, [*inputs, *outputs]):
+            _check_value(plan.values[arg], _tensor_type(tensor), where)
+        return _GraphCall(session, tuple(t.name for t in inputs), tuple(in_args), tuple(t.name for t in outputs),
+                          tuple(out_args))
+
+    def close(self) -> None:
+        """Free the sessions (and with them the QNN contexts) and unmap the file."""
+        self.methods.clear()
+        self._sessions.clear()
+
+
+def _check_plan(plan: ExecutionPlan, where: str) -> None:
+    """Refuse at load what this backend cannot run, naming it."""
+    for step in plan.instructions:
+        if not isinstance(step, (KernelCall, DelegateCall)):
+            raise OrtBackendError(f"{where} method {plan.name} holds a {step.kind}, which the onnxruntime backend "
+                                  "does not run; run it with the ExecuTorch backend (device='host')")
+    for step in plan.instructions:
+        if isinstance(step, DelegateCall) and plan.delegates[step.delegate] != QNN_BACKEND_ID:
+            raise OrtBackendError(
+                f"{where} method {plan.name} delegates to {plan.delegates[step.delegate]}, which the onnxruntime "
+                "backend cannot run (it runs QnnBackend delegates only); run it with the ExecuTorch backend"
+            )
+    used = [s.op for s in plan.instructions if isinstance(s, KernelCall)]
+    missing = cpu_ops.missing_kernels(plan.operators, used)
+    if missing:
+        raise OrtBackendError(
+            f"{where} method {plan.name} runs {', '.join(missing)} on the CPU, which the onnxruntime backend has no "
+            f"kernel for (it has: {', '.join(sorted(cpu_ops.KERNELS))}). Run this variant with the ExecuTorch "
+            "backend (device='host'), or re-export it so that op is delegated to QNN."
+        )

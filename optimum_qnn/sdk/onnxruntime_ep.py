@@ -1,0 +1,120 @@
+"""onnxruntime-qnn in this process: the QNN execution provider registered once, and QNN libraries loaded safely.
+
+Three measured hazards shape this module (x86_64 Linux, onnxruntime 1.32 / onnxruntime-qnn 2.5.0, torch 2.13):
+
+1. **A QNN library loaded before torch breaks C++ exceptions for the rest of the process.** The QNN libraries
+   bring a private `libunwind` (`onnxruntime_qnn.libs/libunwind-*.so`). When the system `libgcc_s.so.1` is first
+   loaded as a dependency of those libraries, its unwinder binds its `_Unwind_GetCFA` calls into that private
+   `libunwind`; the first exception torch throws afterwards (importing executorch does) segfaults inside
+   `unw_get_reg`. Loading `libgcc_s.so.1` globally *before* any QNN library binds it to itself, and the crash is
+   gone (`protect_unwinder`). This is what lets this backend load QNN without importing torch.
+2. **onnxruntime loaded after the QNN libraries went global segfaults.** `ensure_qnn_sdk` (the ExecuTorch
+   backend's set-up) loads `libQnnHtp.so` with RTLD_GLOBAL, which puts its private `libc++abi` in the global
+   scope; onnxruntime's Python module, loaded afterwards, binds `__gxx_personality_v0` to it and its first
+   (libstdc++) exception crashes in `_Unwind_GetLanguageSpecificData`. So `ensure_qnn_sdk` calls
+   `bind_onnxruntime_first` before its global loads: onnxruntime and the QNN EP library bind to libstdc++ while the
+   global scope is still clean (0.2 s, only when onnxruntime-qnn is installed).
+3. **The QNN execution provider is registered once per process**: a second `register_execution_provider_library`
+   with the same name fails, and every session draws its devices from that one registration.
+
+Nothing here imports torch or executorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import threading
+from pathlib import Path
+from typing import Any
+
+from optimum_qnn.errors import OptimumQnnError
+
+EP_NAME = "QNNExecutionProvider"
+
+_lock = threading.Lock()
+_protected = False
+_devices: list | None = None
+
+
+class OrtBackendError(OptimumQnnError):
+    """The onnxruntime backend cannot load or run a program; the message says why and what to do."""
+
+
+def bind_onnxruntime_first() -> None:
+    """Load onnxruntime and register the QNN EP now, if they are installed (hazard 2): called by `ensure_qnn_sdk`
+    before it loads the QNN libraries globally, so the onnxruntime backend can still load later in the process."""
+    try:
+        import onnxruntime  # noqa: F401
+        import onnxruntime_qnn  # noqa: F401
+    except ImportError:
+        return
+    qnn_ep_devices()
+
+
+def protect_unwinder() -> None:
+    """Load the system `libgcc_s` globally before any QNN library (see the module docstring, hazard 1).
+
+    Idempotent; a no-op off Linux (Windows and macOS have no `libgcc_s` in this role).
+    """
+    global _protected
+    if _protected or platform.system() != "Linux":
+        _protected = True
+        return
+    name = ctypes.util.find_library("gcc_s") or "libgcc_s.so.1"
+    try:
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    except OSError:  # a static-libgcc system: nothing to protect
+        pass
+    _protected = True
+
+
+def package_dir() -> Path:
+    """The installed `onnxruntime_qnn` folder (the QNN EP and the QNN libraries of QAIRT 2.49.40)."""
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise OrtBackendError(
+            "The onnxruntime backend needs onnxruntime-qnn: pip install onnxruntime-qnn==2.5.0"
+        ) from None
+    return Path(onnxruntime_qnn.get_library_path()).parent
+
+
+def htp_backend_path() -> Path:
+    import onnxruntime_qnn
+
+    return Path(onnxruntime_qnn.get_qnn_htp_path())
+
+
+def qnn_ep_devices() -> list[Any]:
+    """The QNN EP's devices, registering the EP library on first use (once per process, thread-safe)."""
+    global _devices
+    if _devices is not None:
+        return _devices
+    with _lock:
+        if _devices is None:
+            package_dir()
+            import onnxruntime
+            import onnxruntime_qnn
+
+            if not any(d.ep_name == EP_NAME for d in onnxruntime.get_ep_devices()):
+                onnxruntime.register_execution_provider_library(EP_NAME, onnxruntime_qnn.get_library_path())
+            devices = [d for d in onnxruntime.get_ep_devices() if d.ep_name == EP_NAME]
+            if not devices:
+                raise OrtBackendError(
+                    f"onnxruntime registered {onnxruntime_qnn.get_library_path()} but offers no {EP_NAME} device"
+                )
+            _devices = devices
+    return _devices
+
+
+def qnn_system():
+    """The QNN System library of onnxruntime-qnn (reads context binaries' graph names and tensors), loaded without
+    torch: `protect_unwinder` runs first, which makes that safe."""
+    from optimum_qnn.artifacts.inspection.qnn_system import QnnSystem
+
+    protect_unwinder()
+    system = "QnnSystem.dll" if os.name == "nt" else "libQnnSystem.so"
+    return QnnSystem(package_dir() / system, import_torch=False)
