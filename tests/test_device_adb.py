@@ -164,7 +164,7 @@ def load(artifact, device="adb", **options):
 
 def test_device_names_and_parsers():
     assert DeviceSpec.parse("adb:R5CX1") == DeviceSpec("adb", "R5CX1") and str(DeviceSpec.parse("adb")) == "adb"
-    with pytest.raises(ValueError, match="expected one of: host, runner, adb, adb:SERIAL"):
+    with pytest.raises(ValueError, match="expected one of: host, host:executorch, host:onnxruntime, runner, adb, adb:SERIAL"):
         DeviceSpec.parse("gpu")
     out = "* daemon started successfully\nList of devices attached\nA1\tdevice\nB2\tunauthorized\nC3\tno permissions (user x)\n\n"
     assert parse_devices(out) == [("A1", "device"), ("B2", "unauthorized"), ("C3", "no permissions")]
@@ -325,7 +325,7 @@ def test_adb_errors(artifact, setup, phone, monkeypatch, tmp_path):
     phone.set(devices=[["A1", "offline"]])
     with pytest.raises(DeviceError, match="A1 is offline: reconnect"):
         load(artifact)
-    with pytest.raises(ValueError, match="expected one of: host, runner, adb, adb:SERIAL"):
+    with pytest.raises(ValueError, match="expected one of: host, host:executorch, host:onnxruntime, runner, adb, adb:SERIAL"):
         load(artifact, device="phone")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(DeviceError, match="adb was not found on PATH. Install Android's platform-tools"):

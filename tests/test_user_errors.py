@@ -35,8 +35,8 @@ def _calls(artifact, model_dir, kv_model, manifest):
     plain_tok.chat_template = None  # the demo's tokenizer files carry one
     variant = f"available: SM8650/fp16/ctx{KV_CTX}/kv"
     return [
-        ("from_pretrained device='gpu'", lambda: load(artifact, device="gpu"), "expected one of: host, runner, adb, adb:SERIAL"),
-        ("from_pretrained device=5", lambda: load(artifact, device=5), "expected one of: host, runner, adb, adb:SERIAL"),
+        ("from_pretrained device='gpu'", lambda: load(artifact, device="gpu"), "expected one of: host, host:executorch, host:onnxruntime, runner, adb, adb:SERIAL"),
+        ("from_pretrained device=5", lambda: load(artifact, device=5), "expected one of: host, host:executorch, host:onnxruntime, runner, adb, adb:SERIAL"),
         ("from_pretrained soc=5", lambda: load(artifact, soc=5), "soc must be a non-empty string such as 'SM8650'"),
         ("from_pretrained soc='SM8550'", lambda: load(artifact, soc="SM8550"), variant),
         ("from_pretrained quant='int3'", lambda: load(artifact, quant="int3"), variant),
@@ -49,7 +49,7 @@ def _calls(artifact, model_dir, kv_model, manifest):
         ("from_pretrained 'a/b/c'", lambda: load("a/b/c"), "check the path of the artifact"),
         ("RunnerBackend device='host'", lambda: RunnerBackend(artifact, artifact, manifest, device="host"),
          "QNNModelForCausalLM.from_pretrained(..., device='host')"),
-        ("DeviceSpec.parse('gpu')", lambda: DeviceSpec.parse("gpu"), "expected one of: host, runner, adb, adb:SERIAL"),
+        ("DeviceSpec.parse('gpu')", lambda: DeviceSpec.parse("gpu"), "expected one of: host, host:executorch, host:onnxruntime, runner, adb, adb:SERIAL"),
         ("generate ids out of range", lambda: kv_model.generate([2, 10**6]), "must lie in [0, 512)"),
         ("generate max_new_tokens=-1", lambda: kv_model.generate([2], max_new_tokens=-1), "an integer >= 0"),
         ("generate a prompt too long", lambda: kv_model.generate([2] * (KV_CTX + 1)), "export with a larger --max-seq-len"),

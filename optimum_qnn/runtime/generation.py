@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.ops.arrays import as_numpy
+from optimum_qnn.ops.arrays import as_numpy, is_torch
 
 # What `from_pretrained(..., device="runner" | "adb", **options)` hands to `backends.runner.RunnerBackend`.
 RUNNER_OPTIONS = frozenset({"runner", "qnn_sdk_root", "shared_buffer"})
@@ -66,16 +66,25 @@ class Sampling:
 def prompt_ids(input_ids) -> np.ndarray:
     """``input_ids`` (a list of ints, a numpy array, or a torch tensor) as a 1-D int64 array, or `InvalidInputError`
     saying what is wrong with them."""
+    if isinstance(input_ids, (str, bytes)):
+        raise InvalidInputError(
+            f"input_ids must be token ids (a list of ints or an integer array); got {type(input_ids).__name__} "
+            "(tokenize text with the model's tokenizer, or use text_generation)"
+        )
     try:
         ids = as_numpy(input_ids)
     except (TypeError, ValueError, RuntimeError) as e:
         raise InvalidInputError(
             f"input_ids must be token ids (a list of ints or an integer array); got {type(input_ids).__name__} ({e})"
         ) from None
-    if ids.dtype == object or ids.dtype.kind not in "iu" and not (ids.size == 0 and ids.dtype.kind == "f"):
-        what = "ragged or non-numeric values" if ids.dtype == object else f"{ids.dtype} values"
+    kind = "torch tensor" if is_torch(input_ids) else type(input_ids).__name__
+    if ids.dtype.kind in "OUSV":
         raise InvalidInputError(
-            f"input_ids must be integer token ids; got {what} (tokenize text with the model's tokenizer, "
+            f"input_ids must be token ids (a list of ints or an integer array); got a {kind} of {ids.dtype} values"
+        )
+    if ids.dtype.kind not in "iu" and ids.size:
+        raise InvalidInputError(
+            f"input_ids must be integer token ids; got a {ids.dtype} {kind} (tokenize text with the model's tokenizer, "
             "or convert to integers if the values are whole)"
         )
     if ids.ndim == 2 and ids.shape[0] != 1 or ids.ndim > 2:

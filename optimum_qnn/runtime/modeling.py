@@ -250,6 +250,6 @@ def host_backend(variant: Path, manifest: Manifest, spec: DeviceSpec, *, allowed
         from optimum_qnn.runtime.backends.host import ExecuTorchBackend
 
         return ExecuTorchBackend(variant, manifest, allowed_root=allowed_root)
-    from optimum_qnn.runtime.backends.ort import OnnxRuntimeBackend
+    from optimum_qnn.runtime.backends.onnxruntime.backend import OnnxRuntimeBackend
 
     return OnnxRuntimeBackend(variant, manifest, allowed_root=allowed_root)

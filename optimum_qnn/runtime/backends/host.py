@@ -1,6 +1,6 @@
 """The in-process backends: a variant's graphs run in this process, driven token by token through the runner
 contract (`session.KVSession`): `ExecuTorchBackend` (the .pte in ExecuTorch's Python runtime) and, in
-`runtime/backends/ort.py`, the same contexts in onnxruntime-qnn. Both share `InProcessBackend`'s generation
+`runtime/backends/onnxruntime/`, the same contexts in onnxruntime-qnn. Both share `InProcessBackend`'s generation
 logic, so they cannot differ in what they do with the caches, the stops or the sampling.
 
 The caches outlive a call: ``held`` lists the tokens whose K/V they hold, and a call with ``reuse_cache=True``
