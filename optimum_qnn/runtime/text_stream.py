@@ -18,7 +18,8 @@ _HALF = "\ufffd"  # what a decoder writes for bytes that do not (yet) make a cha
 
 class TextStream:
     """Decodes tokens as they are added. ``text`` is all of it so far; ``stable`` the part that later tokens cannot
-    change (without a trailing half character); `add` returns the stable text that is new since the last call."""
+    change (without a trailing half character); `take` gives text once (a caller may hold some back, e.g. what could
+    still become a stop string), `take_stable` all the stable text not given yet."""
 
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
@@ -30,10 +31,13 @@ class TextStream:
     def stable(self) -> str:
         return self.text.rstrip(_HALF)
 
-    def add(self, ids: Iterable[int]) -> str:
-        """Add ``ids``; return the whole characters they completed (maybe "")."""
+    def add(self, ids: Iterable[int]) -> None:
+        """Add ``ids`` and decode everything again."""
         self.tokens += [int(i) for i in ids]
         self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special_tokens)
+
+    def take_stable(self) -> str:
+        """The whole characters not given yet (maybe "")."""
         return self.take(len(self.stable))
 
     def take(self, upto: int) -> str:
@@ -55,7 +59,8 @@ class PrintingStreamer:
         self.stream, self.out = TextStream(tokenizer), out
 
     def put(self, value: Any) -> None:
-        self.out.write(self.stream.add(value.reshape(-1).tolist()))
+        self.stream.add(value.reshape(-1).tolist())
+        self.out.write(self.stream.take_stable())
         self.out.flush()
 
     def end(self) -> None:
