@@ -234,6 +234,27 @@ def test_stand_in_runner_chat_sends_the_whole_conversation_and_stops_each_reply_
     assert chat.stats.stopped_by == "eos" and int(stand_in.last("--seq_len")) == CTX  # max_new_tokens: the room
 
 
+def test_run_chat_and_text_generation_chat_stop_at_the_turn_end_as_chat_does(chat_artifact, stand_in, capsys,
+                                                                             monkeypatch):  # noqa: F811
+    """`run --chat` and `text_generation(chat=True)` stop a reply at <turn|> by the conversation's stop ids
+    (`stops.conversation_stop_ids`), not only at the manifest's EOS. The runner's own stop at <turn|> is taken away
+    here (the stand-in does not stop either), so only the face's rule can cut the reply; without --chat it runs on."""
+    from transformers import AutoTokenizer
+
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+    from tests.conftest import run_main
+
+    model = load(chat_artifact)
+    monkeypatch.setattr(model.backend, "runner_stop_ids", frozenset(model.manifest.tokenizer.eos_ids))
+    hf = AutoTokenizer.from_pretrained(chat_artifact)
+    assert model.text_generation(hf, "Hi", chat=True) == REPLY and model.stats.stopped_by == "eos"
+    assert model.text_generation(hf, "Hi", chat=False, max_new_tokens=40).startswith(REPLY + AFTER)
+    monkeypatch.setattr(QNNModelForCausalLM, "from_pretrained", classmethod(lambda cls, *a, **k: model))
+    code, out, err = run_main(["run", chat_artifact, "--device", "adb", "--chat", "--prompt", "Hi"], capsys)
+    assert code == 0, err
+    assert out.splitlines()[0] == REPLY and "stopped by eos" in out
+
+
 def test_stand_in_runner_refuses_chat_with_prompt_ids_on_the_command_line(chat_artifact, stand_in, capsys):  # noqa: F811
     from tests.conftest import run_main
 
