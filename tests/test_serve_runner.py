@@ -160,7 +160,8 @@ def test_stand_in_runner_is_not_run_for_what_it_cannot_honour_and_the_client_goe
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], **extra)
             assert e.value.code == "unsupported_parameter" and e.value.param == param, e.value
-            assert "runner" in e.value.message and f"{param}=" in e.value.message
+            assert e.value.body["message"].startswith(f"{param} is not supported by the runner (adb:PHONE1) backend")
+            assert "--device host" in e.value.message
         # Between the runner's limit and the context: what the server accepted before, and the runner then refused.
         words = " ".join(["for"] * (CTX - PREFILL + 2))
         n = len(_ids(tokenizer, words)) + 1

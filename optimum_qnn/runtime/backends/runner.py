@@ -202,16 +202,16 @@ class RunnerBackend:
         or None, top_k 0 or None) and greedy decoding (where a generator changes nothing) pass."""
         if not sampling.do_sample:
             return
-        given = [(name, value) for name, value, neutral in (("top_p", sampling.top_p, (None, 1, 1.0)),
-                                                            ("top_k", sampling.top_k, (None, 0)))
+        given = [f"{name}={value!r}" for name, value, neutral in (("top_p", sampling.top_p, (None, 1, 1.0)),
+                                                                  ("top_k", sampling.top_k, (None, 0)))
                  if value not in neutral]
         if sampling.generator is not None:
-            given.append(("generator", "a seeded generator"))
+            given.append("generator=(a seeded generator)")
         if given:
-            name, value = given[0]
+            name = given[0].split("=")[0]
             raise UnsupportedParameterError(
                 f"ExecuTorch's runner (device {self.name!r}) samples with a temperature only: its top-p is fixed and it "
-                f"seeds itself, so {name}={value!r} cannot be honoured; drop {name}, or run on device='host'",
+                f"seeds itself, so {given[0]} cannot be honoured; drop {name}, or generate with device='host'",
                 param=name, backend=f"runner ({self.name})",
             )
 

@@ -61,8 +61,8 @@ def api_error(e: BaseException) -> ApiError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, UnsupportedParameterError):
         field = _REQUEST_FIELD.get(e.param, e.param)
-        message = str(e).replace(f"{e.param}=", f"{field}=").replace(f"drop {e.param}", f"drop {field}")
-        return ApiError(400, f"{field} is not supported by the {e.backend} backend: {message}",
+        return ApiError(400, f"{field} is not supported by the {e.backend} backend, which samples with a temperature "
+                        f"only (its top-p is fixed and it seeds itself): leave {field} out, or serve with --device host",
                         code="unsupported_parameter", param=field)
     if isinstance(e, ContextOverflowError):
         return ApiError(400, str(e), code="context_length_exceeded", param="messages")
