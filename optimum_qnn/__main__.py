@@ -95,14 +95,19 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, tokenized with the artifact's tokenizer")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are (e.g. 2,651,1234)")
-    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap --prompt in the tokenizer's chat template; the reply stops at the end of its turn")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help=_MAX_NEW_HELP)
     _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
         from optimum_qnn.console import configure_logging, third_party_quiet
         from optimum_qnn.errors import OptimumQnnError
 
+        if args.chat and args.prompt_ids:
+            print("error: --chat formats text with the chat template and --prompt-ids are used as they are: pass "
+                  "--chat with --prompt, or --prompt-ids without --chat", file=sys.stderr)
+            return 2
         try:
             ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()] if args.prompt_ids else None
         except ValueError:
@@ -111,7 +116,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose, keep_stdout=True):  # the text streams as it comes
-                from transformers import TextStreamer
+                from optimum_qnn.runtime.text_stream import PrintingStreamer
 
                 model = _load_variant(args)
                 try:
@@ -120,7 +125,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                     if ids is None:  # text needs the tokenizer; ids do not (the new ids are printed instead)
                         raise
                     tokenizer = None
-                streamer = TextStreamer(tokenizer, skip_special_tokens=True) if tokenizer is not None else None
+                streamer = PrintingStreamer(tokenizer, sys.stdout) if tokenizer is not None else None
                 if ids is None:
                     model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
                 else:
@@ -174,8 +179,8 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_variant_args(parser)
     parser.add_argument("--system", help="a system prompt (kept when old turns are dropped to fit the context)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default: %(default)s)")
-    _add_verbose(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help=f"per reply {_MAX_NEW_HELP}")
+    _add_verbose(parser, also="a line of stats after each reply")
 
     def handler(args: argparse.Namespace) -> int:
         from optimum_qnn.console import configure_logging, third_party_quiet
@@ -185,7 +190,8 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         try:
             with third_party_quiet(args.verbose):
                 model = _load_variant(args)
-                chat = model.chat(args.system, max_new_tokens=args.max_new_tokens)
+                options = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+                chat = model.chat(args.system, **options)
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -202,7 +208,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="an OpenAI-compatible HTTP endpoint for an exported model (chat and text completions)",
         description="Serve one variant over HTTP with OpenAI's API (GET /v1/models, POST /v1/chat/completions and "
         "/v1/completions, streaming as server-sent events; GET /health). One generation at a time, a bounded queue "
-        "behind it (429 when full); prompts that begin with the previous request's tokens reuse its cache.",
+        "behind it (429 when full); prompts that begin with the previous request's tokens reuse its cache. A request "
+        "without max_tokens gets up to 256 new tokens, at most what the context leaves after the prompt.",
     )
     _add_variant_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
@@ -210,11 +217,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $OPTIMUM_QNN_API_KEY; unset: no check)")
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (default: %(default)s)")
-    parser.add_argument("--name", help="the model id clients send (default: the artifact folder's name)")
+    parser.add_argument("--name", help="the model id clients send (default: the artifact folder's or Hub repo's name)")
     parser.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
                         help="on SIGTERM/Ctrl-C, how long the running generation may go on before it is cancelled "
                         "(default: 10)")
-    _add_verbose(parser)
+    _add_verbose(parser, also="uvicorn's access log and its INFO lines")
 
     def handler(args: argparse.Namespace) -> int:
         import os
@@ -251,9 +258,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handler)
 
 
-def _add_verbose(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="also show what the libraries print (the QNN runtime's own log lines, their warnings)")
+def _add_verbose(parser: argparse.ArgumentParser, also: str = "") -> None:
+    """``-v``: the same meaning on every command (`console.VERBOSE_HELP`); ``also`` says what this one adds."""
+    from optimum_qnn.console import VERBOSE_HELP
+
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP + (f"; {also}" if also else ""))
+
+
+# One rule for max_new_tokens on every face (`runtime.limits`).
+_MAX_NEW_HELP = "(default: 256, at most what the context leaves after the prompt)"
 
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doctor, _add_export, _add_inspect, _add_run, _add_chat, _add_serve)

@@ -130,7 +130,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     hub_grp.add_argument("--push-to-hub", metavar="REPO_ID",
                          help="after the export, upload the artifact folder to this Hub model repo (one commit per variant)")
     hub_grp.add_argument("--private", action="store_true", help="create the --push-to-hub repo private")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+    from optimum_qnn.console import VERBOSE_HELP
+
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP + "; the export logs every stage")
 
 
 def configs_from_args(args: argparse.Namespace) -> list[ExportConfig]:

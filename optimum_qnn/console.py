@@ -36,6 +36,12 @@ class _ConsoleFormatter(logging.Formatter):
         )
 
 
+# What ``-v`` means on every command (`configure_logging` and `third_party_quiet` both take it); a command that shows
+# more with it says so after this text.
+VERBOSE_HELP = ("log what optimum-qnn does step by step and show what the libraries print (the QNN runtime's own "
+                "log lines, their warnings)")
+
+
 def configure_logging(verbose: bool) -> None:
     """The console handler on the root logger (replacing one this function added before). ``verbose`` logs every
     stage and lets the QNN libraries print their own lines (`optimum_qnn.native_output.NATIVE_LOGGER`)."""

@@ -2,7 +2,9 @@
 
 Prints the versions of the stack, the QNN libraries in use (path, source, QAIRT build, Hexagon skels), whether
 ExecuTorch's runtime has the QNN backend registered, the SoCs that can be targeted and, with PATH, which exported
-variants under it this host can run. Exits non-zero, with the reason and the fix, when QNN cannot be used here.
+variants under it each backend of this host (`runtime.backends.availability`: ExecuTorch's Python runtime, its C++
+runner) can run, and what is missing for the others. Exits non-zero, with the reason and the fix, when no backend can
+use QNN here.
 """
 
 from __future__ import annotations
@@ -18,14 +20,8 @@ from optimum_qnn import __version__
 from optimum_qnn.config import Soc
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.program import is_emulator_host
-from optimum_qnn.sdk import (
-    QnnSdk,
-    QnnSdkError,
-    check_runtime_can_load,
-    ensure_qnn_sdk,
-    supported_socs,
-    unsigned_windows_skels,
-)
+from optimum_qnn.runtime.backends.availability import Answer, BackendCheck, backend_checks
+from optimum_qnn.sdk import QnnSdkError, ensure_qnn_sdk, supported_socs, unsigned_windows_skels
 from optimum_qnn.runtime.backends.soc import HostSoc, detect_host_soc, from_name
 from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
 
@@ -57,17 +53,24 @@ def _rows(rows: list[tuple[str, str]], out: TextIO) -> None:
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether this host can run one exported variant, and why not."""
+    """Which backends can run one exported variant here, and why the others cannot (`availability.Answer`s)."""
 
     variant: str
     description: str
-    runnable: bool
-    reason: str
+    answers: tuple[Answer, ...]
+
+    @property
+    def runnable(self) -> bool:
+        return any(a.runnable for a in self.answers)
+
+    @property
+    def reason(self) -> str:
+        """The first backend's answer that says yes, else the first answer."""
+        return next((a.reason for a in self.answers if a.runnable), self.answers[0].reason if self.answers else "")
 
 
-def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str, host: Soc | None = None) -> list[Verdict]:
-    """Every exported variant (folder with a manifest.json) under `path`, judged for this host (`host`: its SoC when
-    it says which; a context binary runs only on the SoC it was compiled for, the x86 emulator runs any)."""
+def judge_variants(path: Path, checks: list[BackendCheck]) -> list[Verdict]:
+    """Every exported variant (folder with a manifest.json) under `path`, judged by each backend of ``checks``."""
     from optimum_qnn.artifacts.manifest import ManifestError, read_manifest
 
     verdicts = []
@@ -78,37 +81,14 @@ def judge_variants(path: Path, sdk: QnnSdk, backends: list[str], machine: str, h
         try:
             manifest = read_manifest(folder)
         except ManifestError as e:
-            verdicts.append(Verdict(name, "unreadable manifest", False, str(e)))
+            verdicts.append(Verdict(name, "unreadable manifest", (Answer("manifest", False, str(e)),)))
             continue
         shared = manifest.contract.weight_sharing
         description = (
             f"{manifest.target.soc}, {manifest.quantization.scheme}, weights {'shared' if shared else 'not shared'}, "
             f"QAIRT {manifest.versions.qairt_build_id}"
         )
-        if QNN_BACKEND not in backends:
-            verdicts.append(Verdict(name, description, False, "this ExecuTorch has no QNN backend (the fix is below)"))
-            continue
-        if shared and is_emulator_host(machine):
-            verdicts.append(Verdict(
-                name, description, False,
-                "weight-shared: the x86 HTP emulator cannot load it (it is the phone build; re-export with "
-                "--no-weight-sharing to run it here)",
-            ))
-            continue
-        if host is not None and not is_emulator_host(machine) and manifest.target.soc != host.value:
-            verdicts.append(Verdict(
-                name, description, False,
-                f"compiled for {manifest.target.soc} (HTP v{manifest.target.htp_arch}), and this host is a {host.label}: "
-                f"export it with --soc {host.value}",
-            ))
-            continue
-        try:
-            check_runtime_can_load(manifest.versions.qairt_build_id, sdk.build_id, runtime_source=sdk.source)
-        except QnnSdkError as e:
-            verdicts.append(Verdict(name, description, False, str(e)))
-            continue
-        where = "on the x86 HTP emulator" if is_emulator_host(machine) else f"on this {machine} host's HTP"
-        verdicts.append(Verdict(name, description, True, where))
+        verdicts.append(Verdict(name, description, tuple(check.judge(manifest) for check in checks)))
     return verdicts
 
 
@@ -123,6 +103,17 @@ def _device_soc(adb_serial: str | None, system: str) -> HostSoc | None:
     if not model:
         return HostSoc("", f"adb {adb.serial}: getprop ro.soc.model is empty (Android 12+ sets it)", None)
     return from_name(model, f"adb {adb.serial}: getprop ro.soc.model")
+
+
+def _runner_available() -> bool:
+    from optimum_qnn.runtime.backends.bundle import find_runner
+    from optimum_qnn.runtime.backends.device import DeviceError
+
+    try:
+        find_runner(None)
+    except DeviceError:
+        return False
+    return True
 
 
 def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO | None = None,
@@ -184,18 +175,26 @@ def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO 
     _rows([("SoC", device.describe() if device else
             "not a Snapdragon, or it does not say (Linux: /sys/devices/soc0/machine; Windows: the processor name)")], out)
     host = device.soc if device else None
+    checks = backend_checks(sdk, backends, machine=machine, system=system, soc=host,
+                            adb=None if adb_serial is None else (adb_serial or "(the only one)", host))
     if path is not None:
-        verdicts = judge_variants(Path(path), sdk, backends, "aarch64" if adb_serial is not None else machine, host)
+        verdicts = judge_variants(Path(path), checks)
         runnable = sum(v.runnable for v in verdicts)
         print(f"\nArtifacts under {path}: {runnable} of {len(verdicts)} can run here", file=out)
+        width = max((len(a.backend) for v in verdicts for a in v.answers), default=0)
         for v in verdicts:
             print(f"  {v.variant} ({v.description})", file=out)
-            print(f"    {'yes' if v.runnable else 'no'}: {v.reason}", file=out)
+            for a in v.answers:
+                print(f"    {a.backend.ljust(width)}  {'yes' if a.runnable else 'no'}: {a.reason}", file=out)
 
     status = 0
-    if not has_qnn:
+    if not has_qnn:  # a failure only when no other backend (ExecuTorch's runner) can stand in for it here
         print(f"\nQNN backend: MISSING\n  {qnn_backend_missing_message(backends, machine, system)}", file=err)
-        status = 1
+        if adb_serial is None and not _runner_available():
+            status = 1
+        else:
+            print("  (--device runner / adb does not need it: ExecuTorch's qnn_llama_runner runs the variants)",
+                  file=err)
     if not socs:
         print("  none: this executorch knows none of optimum-qnn's SoCs", file=err)
         status = 1

@@ -21,6 +21,15 @@ class InvalidInputError(OptimumQnnError, ValueError):
     """Token ids or arguments that the runner cannot accept."""
 
 
+class UnsupportedParameterError(InvalidInputError):
+    """A generation parameter that the backend running the model cannot honour (``param`` names it, ``backend``
+    says which backend refused); the server answers it with a 400 naming both."""
+
+    def __init__(self, message: str, *, param: str, backend: str):
+        super().__init__(message)
+        self.param, self.backend = param, backend
+
+
 class UnsupportedOnSocError(OptimumQnnError, ValueError):
     """An export choice the target SoC's HTP cannot run (optimum_qnn.socs.ARCH_LIMITS)."""
 

@@ -16,7 +16,7 @@ def run(action):
             model = QNNModelForCausalLM.from_pretrained(action["repo"], soc=action.get("soc"), revision=action.get("revision"))
             out = model.generate(action["prompt"], max_new_tokens=4).reshape(-1).tolist()
             return {"root": str(model.root), "files": files_under(model.root), "tokens": out,
-                    "soc": model.manifest.target.soc}
+                    "soc": model.manifest.target.soc, "name": model.name}
         if kind == "snapshot":
             from huggingface_hub import snapshot_download
             root = snapshot_download(action["repo"], revision=action["revision"])

@@ -207,9 +207,9 @@ def test_stop_strings_are_held_back_until_they_cannot_match():
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.add_special_tokens({"additional_special_tokens": ["<turn|>"]})
 
-    from optimum_qnn.runtime.chat import turn_end_ids
+    from optimum_qnn.runtime.stops import conversation_stop_ids, text_stop_ids
 
-    assert turn_end_ids(fast) == {1}
+    assert conversation_stop_ids([0], fast) == [0, 1] and text_stop_ids([0], fast, chat=False) == [0]
     assert fast.decode([2, 3, 4, 5]) == "ab cd ef gh"
     job = Job([0], {}, stop=["f g"])
     job.loop = job.pieces = _Loop()

@@ -267,7 +267,7 @@ def test_phone_path_kv_variant_callers_eos_text_and_sampling(artifact, setup, ph
     assert argv[argv.index("--eval_mode") + 1] == "0"  # kv mode: the runner prefills one token at a time
     from optimum_qnn.errors import ContextOverflowError
 
-    with pytest.raises(ContextOverflowError, match=f"takes at most {CTX - 1}"):  # no prefill chunk to leave room for
+    with pytest.raises(ContextOverflowError, match=f"takes a prompt of at most {CTX - 1}"):  # no prefill chunk to leave room for
         kv.generate([5] * CTX)
 
     model = load(artifact)
@@ -388,7 +388,7 @@ def test_runner_crash_reports_its_stderr(artifact, setup, phone, monkeypatch, tm
         model.generate([2, 600])
     from optimum_qnn.errors import ContextOverflowError
 
-    with pytest.raises(ContextOverflowError, match=f"takes at most {CTX - PREFILL}"):
+    with pytest.raises(ContextOverflowError, match=f"takes a prompt of at most {CTX - PREFILL}"):
         model.generate([5] * (CTX - PREFILL + 1))
     # The same argument checks as on the host: float ids were silently truncated here before they were shared.
     from optimum_qnn.errors import InvalidInputError

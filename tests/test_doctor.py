@@ -84,14 +84,30 @@ def test_doctor_reports_libraries_backend_and_runnable_artifacts(run_python, art
     assert (root / "lib" / "x86_64-linux-clang" / "libQnnHtp.so").is_file()
     # This x86 host runs only the non-shared build of the QAIRT it has.
     assert f"Artifacts under {artifacts}: 1 of 3 can run here" in out
-    section = out.split(f"Artifacts under {artifacts}: ")[1].splitlines()[1:]
-    verdict = {section[i].strip().split(" (")[0]: section[i + 1].strip() for i in range(0, len(section), 2)}
+    verdict = _host_verdicts(out, artifacts)
     assert verdict["emulator/qnn/sm8650/16a8w-ctx64"] == "yes: on the x86 HTP emulator"
     assert verdict["qnn/sm8650/16a8w-ctx64"].startswith("no: weight-shared: the x86 HTP emulator cannot load it")
     assert verdict["newer/qnn/sm8650/16a8w-ctx64"].startswith(
         "no: This model was compiled with QAIRT 2.50 (v2.50.0.261101000000) but the QNN runtime here is QAIRT 2.49"
     )
     assert "set QNN_SDK_ROOT to a QAIRT 2.50+ SDK" in verdict["newer/qnn/sm8650/16a8w-ctx64"]
+
+
+def _answers(out: str, artifacts) -> dict[str, dict[str, str]]:
+    """Variant -> backend -> "yes: ..." / "no: ..." from doctor's report."""
+    section = out.split(f"Artifacts under {artifacts}: ")[1].split("\n\n")[0].splitlines()[1:]
+    answers: dict[str, dict[str, str]] = {}
+    for line in section:
+        if not line.startswith("    "):
+            variant = answers.setdefault(line.strip().split(" (")[0], {})
+        else:
+            backend, answer = line.strip().split(None, 1)
+            variant[backend] = answer
+    return answers
+
+
+def _host_verdicts(out: str, artifacts) -> dict[str, str]:
+    return {variant: backends["host"] for variant, backends in _answers(out, artifacts).items()}
 
 
 def test_doctor_without_the_qnn_backend_prints_the_fix(run_python, artifacts):
@@ -101,9 +117,45 @@ def test_doctor_without_the_qnn_backend_prints_the_fix(run_python, artifacts):
     assert "QNN backend  MISSING" in result.stdout
     assert f"Artifacts under {artifacts}: 0 of 3 can run here" in result.stdout
     assert result.stdout.count("no: this ExecuTorch has no QNN backend (the fix is below)") == 3
+    answers = _answers(result.stdout, artifacts)
+    assert all(a["runner"].startswith("no: ") for a in answers.values()), answers  # $QNN_LLAMA_RUNNER is unset
     assert "QNN backend: MISSING" in result.stderr
     assert "ExecuTorch's runtime in this Python has no QNN backend (registered backends: " in result.stderr
     assert f"Fix: {qnn_backend_fix('x86_64', 'Linux')}" in result.stderr
+
+
+def test_on_a_board_without_the_python_qnn_backend_the_runner_backend_answers_per_variant(qnn_sdk, artifacts, tmp_path,
+                                                                                      monkeypatch):
+    """An aarch64 board whose executorch has no QNN backend, with ExecuTorch's runner built: each variant is judged
+    by each backend; the runner can run the SM8650 ones (whatever the Python runtime lacks), another SoC's cannot."""
+    from optimum_qnn import doctor
+    from optimum_qnn.runtime.backends.availability import backend_checks
+
+    runner = tmp_path / "build" / "qnn_llama_runner"
+    runner.parent.mkdir()
+    runner.write_text("#!/bin/sh\n")
+    (runner.parent / "libqnn_executorch_backend.so").write_bytes(b"")
+    monkeypatch.setenv("QNN_LLAMA_RUNNER", str(runner))
+    checks = backend_checks(qnn_sdk, [], machine="aarch64", system="Linux", soc=Soc.SM8650)
+    assert [c.name for c in checks] == ["host", "runner"]
+    verdicts = {v.variant: v for v in doctor.judge_variants(artifacts, checks)}
+    phone = verdicts["qnn/sm8650/16a8w-ctx64"]
+    assert [(a.backend, a.runnable) for a in phone.answers] == [("host", False), ("runner", True)]
+    assert phone.runnable and str(runner) in phone.reason and "no QNN backend" in phone.answers[0].reason
+    newer = verdicts["newer/qnn/sm8650/16a8w-ctx64"]  # the runner loads this machine's QNN libraries too
+    assert not newer.runnable and "QAIRT 2.50" in newer.answers[1].reason
+    other = backend_checks(qnn_sdk, [], machine="aarch64", system="Linux", soc=Soc.SM8750)
+    answer = other[1].judge(doctor_manifest(artifacts / "qnn/sm8650/16a8w-ctx64"))
+    assert not answer.runnable and "export it with --soc SM8750" in answer.reason
+    monkeypatch.delenv("QNN_LLAMA_RUNNER")
+    answer = checks[1].judge(doctor_manifest(artifacts / "qnn/sm8650/16a8w-ctx64"))
+    assert not answer.runnable and "No qnn_llama_runner given" in answer.reason
+
+
+def doctor_manifest(folder):
+    from optimum_qnn.artifacts.manifest import read_manifest
+
+    return read_manifest(folder)
 
 
 def test_doctor_refuses_a_wrong_sdk_folder(run_python, tmp_path):

@@ -230,6 +230,7 @@ def test_download_only_the_chosen_variant_and_generate(client, artifacts, hub, s
     assert res["files"] == expected
     assert not any(f.startswith("qnn/sm8650") for f in res["files"])
     assert Path(res["root"]).name == hub["main_sha"]
+    assert res["name"] == REPO.split("/")[1]  # what serve and chat call it: the repo's name, not the snapshot's sha
     for name in res["files"]:
         assert (Path(res["root"]) / name).read_bytes() == (full / name).read_bytes(), name
     assert res["soc"] == "SM8750"

@@ -158,22 +158,45 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(server):
     assert last["stopped_by"] == "cancelled" and last["completion_tokens"] < 80, last
 
 
-def test_the_queue_limit_under_concurrent_clients(fp16_model):
+def test_the_queue_limit_under_concurrent_clients(fp16_model, monkeypatch):
+    """Deterministic: the first generation is held until the second waits in the queue of one and the third and fourth
+    were refused; then it runs. Exactly two answers and two 429s with Retry-After, whatever the timing."""
+    release, started = threading.Event(), threading.Event()
+    real = fp16_model.generate
+
+    def held(*args, **kwargs):
+        if not started.is_set():
+            started.set()
+            assert release.wait(120), "the test never released the first generation"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp16_model, "generate", held)
     with running(fp16_model, queue_size=1) as url:
         c = client(url)
 
         def ask(i: int):
             try:
-                r = c.chat.completions.with_raw_response.create(model="demo", messages=MESSAGES, max_tokens=40, temperature=0)
+                r = c.chat.completions.with_raw_response.create(model="demo", messages=MESSAGES, max_tokens=4, temperature=0)
                 return "ok", r.parse().usage.completion_tokens
             except openai.RateLimitError as e:
                 return "429", e.response.headers.get("retry-after")
 
+        def busy() -> int:
+            return httpx.get(f"{url}/health").json()["busy"]
+
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(ask, range(4)))
-    kinds = [k for k, _ in results]
-    assert kinds.count("ok") >= 2 and kinds.count("429") >= 1, results  # one runs, one waits, the rest are refused
-    assert all(int(v) >= 1 for k, v in results if k == "429")
+            first = pool.submit(ask, 0)
+            assert started.wait(60), "the first request never reached the model"
+            second = pool.submit(ask, 1)
+            deadline = time.monotonic() + 60
+            while busy() < 2:  # the second waits behind the held first
+                assert time.monotonic() < deadline and not second.done(), second
+                time.sleep(0.05)
+            refused = [ask(2), ask(3)]  # the running one and the queue of one take every slot
+            release.set()
+            results = [first.result(timeout=120), second.result(timeout=120)]
+    assert [k for k, _ in results] == ["ok", "ok"] and all(n >= 1 for _, n in results), results
+    assert [k for k, _ in refused] == ["429", "429"] and all(int(v) >= 1 for _, v in refused), refused
 
 
 def test_the_api_key(fp16_model):

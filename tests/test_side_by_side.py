@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from optimum_qnn.config import Soc
+from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.side_by_side import SOCS_SIDE_BY_SIDE_VARIABLE, socs_at_once, wave_sizes
 from tests.test_lowering import CONSTANTS, attention, hybrid_inputs  # noqa: F401 - fixtures
 
@@ -24,11 +25,16 @@ def test_socs_at_once_counts_cores_memory_and_the_variable(monkeypatch):
     assert socs_at_once(4, 12.4, 14.1, cores=2) == 1  # a full-size Gemma-4-E2B in 16 GB: one at a time
     assert socs_at_once(4, 6.0, None, cores=2) == 1  # memory unknown: one at a time
     assert socs_at_once(1, 6.0, 21.0, cores=2) == 1
-    assert socs_at_once(4, 6.0, 21.0, cores=2, variable="1") == 1
-    monkeypatch.setenv(SOCS_SIDE_BY_SIDE_VARIABLE, "1")
+    # The variable is an on/off switch spelled as every switch is (environment.switch_value), or a cap >= 2.
+    for off in ("0", "off", "False", "no"):
+        assert socs_at_once(4, 6.0, 21.0, cores=2, variable=off) == 1
+    for on in ("1", "on", "TRUE", "yes", ""):
+        assert socs_at_once(4, 6.0, 21.0, cores=2, variable=on) == 3
+    assert socs_at_once(4, 6.0, 21.0, cores=2, variable="2") == 2
+    monkeypatch.setenv(SOCS_SIDE_BY_SIDE_VARIABLE, "off")
     assert socs_at_once(4, 6.0, 21.0, cores=2) == 1
     monkeypatch.setenv(SOCS_SIDE_BY_SIDE_VARIABLE, "two")
-    with pytest.raises(ValueError, match="OPTIMUM_QNN_SOCS_SIDE_BY_SIDE must be a whole number"):
+    with pytest.raises(InvalidInputError, match=r"OPTIMUM_QNN_SOCS_SIDE_BY_SIDE='two'.*expected off .*0, off, false, no"):
         socs_at_once(4, 6.0, 21.0, cores=2)
 
 

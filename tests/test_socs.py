@@ -138,6 +138,7 @@ def test_doctor_says_a_host_runs_only_its_own_soc_variant(tmp_path):
     from types import SimpleNamespace
 
     from optimum_qnn import doctor
+    from optimum_qnn.runtime.backends.availability import backend_checks
 
     for soc in ("SM8650", "QCM6490"):
         folder = tmp_path / soc
@@ -157,7 +158,8 @@ def test_doctor_says_a_host_runs_only_its_own_soc_variant(tmp_path):
     original = manifest_module.read_manifest
     manifest_module.read_manifest = lambda folder: manifests[Path(folder).name]
     try:
-        verdicts = {v.variant: v for v in doctor.judge_variants(tmp_path, sdk, ["QnnBackend"], "aarch64", Soc.QCM6490)}
+        checks = backend_checks(sdk, ["QnnBackend"], machine="aarch64", system="Linux", soc=Soc.QCM6490)
+        verdicts = {v.variant: v for v in doctor.judge_variants(tmp_path, checks)}
     finally:
         manifest_module.read_manifest = original
     assert verdicts["QCM6490"].runnable, verdicts["QCM6490"].reason

@@ -154,7 +154,9 @@ def folder_lock(output: Path, timeout: float | None = None) -> Iterator[None]:
     from filelock import FileLock, Timeout
 
     if timeout is None:
-        timeout = float(os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S))
+        from optimum_qnn.environment import env_number
+
+        timeout = env_number(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S)
     path = Path(output) / LOCK_NAME
     lock = FileLock(path)
     try:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from executorch.exir.backend.compile_spec_schema import CompileSpec
 
 logger = logging.getLogger(__name__)
-# Set to 0, the methods are converted to the edge dialect one after the other (`EdgeLowering.parallel_edge`).
+# Set to off (`environment.OFF`), the methods are converted to the edge dialect one after the other (`EdgeLowering.parallel_edge`).
 EDGE_SIDE_BY_SIDE_VARIABLE = "OPTIMUM_QNN_EDGE_SIDE_BY_SIDE"
 
 # The static model's decoder layers are `layers.N` (optimum_qnn.models.gemma4.modules).
@@ -185,7 +185,7 @@ def to_edge_in_parallel(
                 convert = functools.partial(_convert_and_dump, name, sources[name], spec, options, shared, path)
                 children[name] = Forked(
                     convert, f"the edge conversion of {name}",
-                    f"run with {EDGE_SIDE_BY_SIDE_VARIABLE}=0 to convert the methods one after the other, in less memory",
+                    f"run with {EDGE_SIDE_BY_SIDE_VARIABLE}=off to convert the methods one after the other, in less memory",
                 ), path
             edge = to_edge({names[0]: sources[names[0]]()}, spec, constant_methods=constant_methods, **options)
             programs = {names[0]: edge.exported_program(names[0])}

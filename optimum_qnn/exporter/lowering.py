@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optimum_qnn.config import Soc
+from optimum_qnn.environment import env_switch
 from optimum_qnn.errors import QnnCompileError
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
 from optimum_qnn.exporter.edge import (
@@ -226,8 +227,9 @@ class EdgeLowering:
     """
 
     # Convert the methods to the edge dialect side by side, one process each (`to_edge_in_parallel`), where fork exists;
-    # OPTIMUM_QNN_EDGE_SIDE_BY_SIDE=0 converts them one after the other (in the memory of one conversion).
-    parallel_edge = os.environ.get(EDGE_SIDE_BY_SIDE_VARIABLE, "1") != "0"
+    # OPTIMUM_QNN_EDGE_SIDE_BY_SIDE=off converts them one after the other (in the memory of one conversion). None:
+    # the variable decides, read when `prepare` runs (`environment.env_switch`); a test may set True or False.
+    parallel_edge: bool | None = None
 
     def __init__(
         self,
@@ -322,7 +324,8 @@ class EdgeLowering:
             spec = _edge_spec(fp16=self.fp16, multiple=len(self._programs) > 1)
             options = dict(skip_ops=self.skip_ops, int64_inputs=self.int64_inputs, shard_starts=self.shard_starts,
                            quantized_io=self.quantized_io)
-            if len(self._programs) > 1 and self.parallel_edge and fork_available():
+            parallel = self.parallel_edge if self.parallel_edge is not None else env_switch(EDGE_SIDE_BY_SIDE_VARIABLE, True)
+            if len(self._programs) > 1 and parallel and fork_available():
                 # One method per process (ExecuTorch converts them one after the other, on one core).
                 sources = {name: functools.partial(self._export, name, source) for name, source in self._programs.items()}
                 tensors = [t for source in self._programs.values() for t in SharedTensors.tensors_of(source)]

@@ -31,13 +31,16 @@ from pathlib import Path
 from typing import ContextManager
 
 from optimum_qnn.config import Soc
+from optimum_qnn.environment import OFF, ON, switch_value
+from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.lowering import EdgeLowering, LoweredProgram
 from optimum_qnn.exporter.parallel_compile import default_workers, fork_available
 from optimum_qnn.progress import side_by_side_progress
 
 logger = logging.getLogger(__name__)
 
-# OPTIMUM_QNN_SOCS_SIDE_BY_SIDE=1 lowers one SoC after the other (N: at most N at once).
+# OPTIMUM_QNN_SOCS_SIDE_BY_SIDE=off lowers one SoC after the other, on (the default) as many at once as the cores and
+# memory allow, a whole number N >= 2 at most N at once (`socs_cap`).
 SOCS_SIDE_BY_SIDE_VARIABLE = "OPTIMUM_QNN_SOCS_SIDE_BY_SIDE"
 _POLL_SECONDS = 0.1
 LOWERINGS_PER_CORE = 2  # at most this many SoC lowerings per core at once (see the module's docstring)
@@ -48,18 +51,28 @@ def socs_at_once(socs: int, lowering_gb: float, budget_gb: float | None, *, core
     """How many SoC lowerings run at once: one per SoC, at most `LOWERINGS_PER_CORE` per core, and only as many as
     whole lowerings (``lowering_gb``: the memory plan's estimate of the lower stage, this process included, so counted
     in full each time) fit in the budget. 1 where fork is unavailable or the budget is unknown; ``variable`` (the
-    environment's OPTIMUM_QNN_SOCS_SIDE_BY_SIDE) caps it."""
+    environment's OPTIMUM_QNN_SOCS_SIDE_BY_SIDE, `socs_cap`) caps it."""
     if socs < 2 or budget_gb is None or lowering_gb <= 0 or not fork_available():
         return 1
     cores = default_workers() if cores is None else cores
     at_once = min(socs, LOWERINGS_PER_CORE * cores, int(budget_gb // lowering_gb))
     text = os.environ.get(SOCS_SIDE_BY_SIDE_VARIABLE) if variable is None else variable
-    if text:
-        try:
-            at_once = min(at_once, int(text))
-        except ValueError:
-            raise ValueError(f"{SOCS_SIDE_BY_SIDE_VARIABLE} must be a whole number (1: one SoC after the other); got {text!r}") from None
+    at_once = min(at_once, socs_cap(text))
     return max(1, at_once)
+
+
+def socs_cap(text: str | None) -> int:
+    """The cap OPTIMUM_QNN_SOCS_SIDE_BY_SIDE sets: an on/off switch spelled as every switch is
+    (`environment.switch_value`; off: one at a time, on or unset: no cap), or a whole number >= 2 (at most that many)."""
+    if text is not None and text.strip().isdigit() and int(text) >= 2:
+        return int(text)
+    try:
+        return 1_000_000 if switch_value(SOCS_SIDE_BY_SIDE_VARIABLE, text, True) else 1
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"{SOCS_SIDE_BY_SIDE_VARIABLE}={text!r}: expected off (one SoC after the other: {', '.join(OFF)}), on "
+            f"(as many as the cores and memory allow: {', '.join(ON)}) or a whole number >= 2 (at most that many)"
+        ) from None
 
 
 def wave_sizes(socs: int, at_once: int) -> list[int]:

@@ -18,14 +18,13 @@ from typing import Any
 
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.runtime.generation import GenerationStats
+from optimum_qnn.runtime.limits import DEFAULT_MAX_NEW_TOKENS, limits_of
+from optimum_qnn.runtime.stops import conversation_stop_ids
 
 logger = logging.getLogger(__name__)
 
 # What `chat(**defaults)` and `send(**overrides)` pass on to `generate`.
 GENERATION_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "generator"})
-DEFAULT_MAX_NEW_TOKENS = 256
-# Tokens that end a model turn in the Gemma chat formats (Gemma4's, and Gemma 2/3's), stop ids when the vocabulary has them.
-TURN_END_TOKENS = ("<turn|>", "<end_of_turn>")
 
 
 class ChatSession:
@@ -35,7 +34,8 @@ class ChatSession:
         model: a loaded `QNNModelForCausalLM`.
         tokenizer: the artifact's tokenizer (with a chat template).
         system: an optional system prompt, kept when old turns are dropped.
-        defaults: `generate` options for every reply (``max_new_tokens`` default 256, ``do_sample``, ...).
+        defaults: `generate` options for every reply (``do_sample``, ...; ``max_new_tokens`` unset: the rule of
+            `limits.Limits.default_max_new_tokens`, as for every face).
 
     Example:
 
@@ -57,7 +57,7 @@ class ChatSession:
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.defaults = _options(defaults, "chat()")
         self.stats = GenerationStats()
-        self.stop_ids = set(model.manifest.tokenizer.eos_ids) | turn_end_ids(tokenizer)
+        self.stop_ids = set(conversation_stop_ids(model.manifest.tokenizer.eos_ids, tokenizer))
         self.reset()
 
     @property
@@ -88,11 +88,14 @@ class ChatSession:
         """
         if not isinstance(text, str) or not text.strip():
             raise InvalidInputError(f"A chat message must be a non-empty string; got {text!r}")
-        options = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **self.defaults, **_options(overrides, "send()")}
+        options = {**self.defaults, **_options(overrides, "send()")}
         if "eos_token_id" not in options:
             options["eos_token_id"] = sorted(self.stop_ids)
         turns = self._turns + [{"role": "user", "content": text}]
-        ids, text_so_far, dropped, turns = self._prompt(turns, options["max_new_tokens"])
+        asked = options.get("max_new_tokens")
+        ids, text_so_far, dropped, turns = self._prompt(turns, DEFAULT_MAX_NEW_TOKENS if asked is None else asked)
+        if asked is None:
+            options["max_new_tokens"] = limits_of(self.model).default_max_new_tokens(len(ids))
         out = self.model.generate(ids, streamer=streamer, cancel=cancel, reuse_cache=True, **options)
         new = out[0, len(ids):].tolist()
         stats = self.model.stats
@@ -121,15 +124,16 @@ class ChatSession:
         """The ids of the prompt for ``turns`` (ending with the new user message): the held ids plus the new text when
         the template only appends to what it rendered before, or the whole rendering; the oldest turns dropped while
         the prompt and the reply's reserve do not fit."""
-        capacity = self.model.contract.context_len
-        reserve = min(max_new_tokens, capacity // 4)  # room for the reply; a longer one stops at context_full
+        limits = limits_of(self.model)  # on a runner, the prompt must also leave its prefill method's AR slots
+        capacity = limits.context_len
+        reserve = max(1, min(max_new_tokens, capacity // 4))  # room for the reply; a longer one stops at context_full
         rendered = self._render(turns, open_reply=True)
         if self._ids and rendered.startswith(self._text):
             ids = self._ids + self._encode(rendered[len(self._text):])
         else:
             ids = self._encode(rendered)
         dropped = 0
-        while len(ids) + reserve > capacity and len(turns) > 1:
+        while limits.room(len(ids)) < reserve and len(turns) > 1:
             turns = turns[2:] if turns[1]["role"] == "assistant" else turns[1:]  # a user turn and its reply
             dropped += 1
             rendered = self._render(turns, open_reply=True)
@@ -167,9 +171,3 @@ def _options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"{where} got unknown option(s) {', '.join(unknown)}; expected some of: {', '.join(sorted(GENERATION_OPTIONS))}"
         )
     return dict(values)
-
-
-def turn_end_ids(tokenizer: Any) -> set[int]:
-    """The ids of the tokenizer's end-of-turn tokens (`TURN_END_TOKENS` it has)."""
-    vocab = tokenizer.get_vocab()
-    return {vocab[t] for t in TURN_END_TOKENS if t in vocab}

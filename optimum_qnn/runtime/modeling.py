@@ -30,6 +30,8 @@ from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
     RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, prompt_ids,
 )
+from optimum_qnn.runtime.limits import limits_of
+from optimum_qnn.runtime.stops import text_stop_ids
 
 if TYPE_CHECKING:
     from optimum_qnn.runtime.chat import ChatSession
@@ -51,9 +53,11 @@ class QNNModelForCausalLM:
     """
 
     def __init__(self, root: Path, variant: Path, manifest: Manifest, backend: Any = None, *,
-                 allowed_root: Path | None = None):
-        """A verified variant and the backend that runs it (default: the host backend)."""
+                 allowed_root: Path | None = None, name: str | None = None):
+        """A verified variant and the backend that runs it (default: the host backend). ``name``: what a user calls
+        it (the served model id, the chat banner); default the artifact folder's name."""
         self.root = root
+        self.name = name or Path(root).name
         self.variant = variant
         self.manifest = manifest
         self.contract: RunnerContract = manifest.runner_contract()
@@ -115,6 +119,7 @@ class QNNModelForCausalLM:
         check_folder_or_repo_id(str(repo_or_dir), "artifact")
         path = Path(repo_or_dir).expanduser()
         blobs = None
+        name = path.resolve().name if path.is_dir() else None
         if path.is_dir():
             root = path
             index = read_index(root)
@@ -124,6 +129,7 @@ class QNNModelForCausalLM:
 
             root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision)
             blobs = root.parent.parent / "blobs"  # <cache>/models--org--name/snapshots/<sha>: files link into blobs/
+            name = str(repo_or_dir).strip().rstrip("/").rsplit("/", 1)[-1]  # the repo's name, not the snapshot's sha
         if not (root / INDEX_NAME).is_file():
             raise VariantNotFoundError(f"{root} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
         variant = resolve_inside(root, entry["path"])
@@ -137,7 +143,7 @@ class QNNModelForCausalLM:
             from optimum_qnn.runtime.backends.runner import RunnerBackend
 
             backend = RunnerBackend(root, variant, manifest, device=spec, allowed_root=blobs, **device_options)
-        return cls(root, variant, manifest, backend, allowed_root=blobs)
+        return cls(root, variant, manifest, backend, allowed_root=blobs, name=name)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -146,7 +152,7 @@ class QNNModelForCausalLM:
     def generate(
         self,
         input_ids: Any,
-        max_new_tokens: int = 32,
+        max_new_tokens: int | None = None,
         *,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -162,6 +168,10 @@ class QNNModelForCausalLM:
         returns ``[1, prompt + new]`` ids: a torch tensor when ``input_ids`` is one, else a numpy int64 array.
         ``generator``: a ``numpy.random.Generator`` or a ``torch.Generator`` for repeatable sampling.
 
+        ``max_new_tokens`` unset: `limits.DEFAULT_MAX_NEW_TOKENS`, at most the room the context leaves after the
+        prompt on this backend (`limits.Limits`, the rule of every face); a prompt longer than the backend takes
+        raises `ContextOverflowError`.
+
         Stops at an EOS id (default: the manifest's; the C++ runner also stops at its own end tokens), at
         ``max_new_tokens``, at the end of the context, or when ``cancel()`` returns True (checked before each new
         token; ``self.stats.stopped_by`` says which). ``streamer`` gets ``put(tensor)`` per new token and ``end()``
@@ -172,6 +182,10 @@ class QNNModelForCausalLM:
         ``self.stats.reused_tokens`` says how many. A runner backend keeps nothing between calls.
         """
         prompt = prompt_ids(input_ids)
+        limits = limits_of(self)
+        limits.check_prompt(len(prompt))
+        if max_new_tokens is None:
+            max_new_tokens = limits.default_max_new_tokens(len(prompt))
         check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator, cancel)
         if not isinstance(reuse_cache, bool):
             raise InvalidInputError(f"reuse_cache must be True or False; got {reuse_cache!r}")
@@ -214,7 +228,10 @@ class QNNModelForCausalLM:
         return ArtifactTokenizer(self.root)
 
     def text_generation(self, tokenizer, prompt: str, *, chat: bool = False, **kwargs) -> str:
-        """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text."""
+        """Tokenize ``prompt`` (through the chat template when ``chat``), generate, and decode the new text.
+
+        With ``chat``, the reply stops at the end of its turn (`stops.text_stop_ids`: Gemma4's ``<turn|>`` too), as
+        `chat` and `serve` do, unless ``eos_token_id`` is given."""
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a string; got {type(prompt).__name__} (use generate() for token ids)")
         if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
@@ -232,6 +249,7 @@ class QNNModelForCausalLM:
                 ids = ids["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        kwargs.setdefault("eos_token_id", text_stop_ids(self.manifest.tokenizer.eos_ids, tokenizer, chat))
         out = self.generate(list(ids), **kwargs)
         return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 

@@ -11,30 +11,9 @@ import sys
 from typing import Any, TextIO
 
 from optimum_qnn.runtime.chat import ChatSession
+from optimum_qnn.runtime.text_stream import PrintingStreamer
 
 HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
-
-
-class _TextOut:
-    """A streamer printing the reply's text as its tokens come (decoded so far, minus what is already printed)."""
-
-    def __init__(self, tokenizer: Any, out: TextIO):
-        self.tokenizer, self.out = tokenizer, out
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def put(self, value) -> None:
-        self.tokens += value.reshape(-1).tolist()
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-            return
-        self.out.write(text[self.printed:])
-        self.out.flush()
-        self.printed = len(text)
-
-    def end(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
 
 
 def run(chat: ChatSession, *, verbose: bool = False, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
@@ -42,7 +21,7 @@ def run(chat: ChatSession, *, verbose: bool = False, stdin: TextIO | None = None
     stdin = sys.stdin if stdin is None else stdin
     out = sys.stdout if out is None else out  # read now: a command's console control may have replaced it
     model = chat.model
-    out.write(f"Chat with {model.root.name} ({model.manifest.target.soc}, {model.manifest.quantization.scheme}, context "
+    out.write(f"Chat with {model.name} ({model.manifest.target.soc}, {model.manifest.quantization.scheme}, context "
               f"{model.contract.context_len}) on {model.device}. {HELP}.\n")
     out.flush()
     while True:
@@ -75,7 +54,7 @@ def _reply(chat: ChatSession, text: str, verbose: bool, out: TextIO) -> None:
     from optimum_qnn.errors import OptimumQnnError
 
     stop = {"asked": False}
-    streamer = _TextOut(chat.tokenizer, out)
+    streamer = PrintingStreamer(chat.tokenizer, out)
     streams = getattr(chat.model.backend, "streams", False)
 
     def on_sigint(signum, frame):

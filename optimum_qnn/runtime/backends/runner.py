@@ -12,7 +12,11 @@ What the runner gives back, read from its sources (``qnn_llama_runner.cpp``, ``r
 then each generated token's text, written only when the runner exits; stdout holds a ``PyTorchObserver {json}``
 line with token counts and millisecond timestamps. It prints no token ids, so the ids are the generated text
 encoded again with the artifact's tokenizer, checked against the runner's token count. It stops at its own end
-tokens: the tokenizer's EOS and ``encode("<turn|>")[0]`` (``runner.cpp``, Gemma4), see `runner_stop_ids`.
+tokens: the tokenizer's EOS and ``encode("<turn|>")[0]`` (``runner.cpp``, Gemma4), see `stops.runner_stop_ids`.
+
+It samples with its own flags only: greedy (``--temperature 0``) or a temperature; its top-p is fixed and it seeds
+itself from the clock, so `check_sampling` refuses a top_p or top_k other than the neutral value and a generator
+(a seed), naming the parameter. Its prompt limit is `limits.Limits`' (C - AR of the method that prefills).
 
 Runtime code: imports neither the exporter, the quantizer nor torch.export, and does not load ExecuTorch.
 """
@@ -33,12 +37,14 @@ import torch
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.contract import PREFILL_METHOD
-from optimum_qnn.errors import ContextOverflowError, InvalidInputError
+from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
 from optimum_qnn.runtime.backends.bundle import (
     BACKEND_LIBRARY, RUNNER_NAME, BundleFile, find_backend_library, find_runner,
 )
 from optimum_qnn.runtime.backends.device import DeviceError, DeviceSpec
 from optimum_qnn.runtime.generation import GenerationStats, Sampling, eos_ids
+from optimum_qnn.runtime.limits import Limits
+from optimum_qnn.runtime.stops import runner_stop_ids
 from optimum_qnn.sdk import check_runtime_can_load
 
 logger = logging.getLogger(__name__)
@@ -121,9 +127,12 @@ class RunnerBackend:
         self.variant_dir = self.variant.relative_to(self.root).as_posix().replace("/", "_")
         files = self._bundle(runner, allowed_root)
         self._tokenizer = _load_tokenizer(self.root)
-        self.runner_stop_ids = frozenset(_runner_stop_ids(self._tokenizer, self.root, manifest))
+        config = self.root / "tokenizer_config.json"
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
+        self.runner_stop_ids = frozenset(runner_stop_ids(eos, self._tokenizer, manifest.tokenizer.eos_ids))
         self.transport.connect()
         self.name = self.transport.name
+        self.limits = Limits.of(self.contract, spec.kind)
         self.transport.check_target(manifest)
         self.pushed = self.transport.install(files, self.variant_dir)
 
@@ -184,18 +193,26 @@ class RunnerBackend:
         vocab = self.contract.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
-        # The runner's prompt processor needs the whole prompt in the cache slots of its method.
-        limit = self.contract.context_len - (self.contract.method(PREFILL_METHOD).ar_len if self.hybrid else 1)
-        if len(prompt) > limit:
-            raise ContextOverflowError(
-                f"The prompt has {len(prompt)} tokens but the runner takes at most {limit} with this export "
-                f"(context {self.contract.context_len}); shorten it or export with a larger --max-seq-len"
-            )
-        if sampling.do_sample and (sampling.top_k is not None or sampling.top_p is not None
-                                   or sampling.generator is not None):
-            raise InvalidInputError(
-                "ExecuTorch's runner samples with a temperature only (its top-p is fixed and it seeds itself): "
-                "drop top_k, top_p and generator, or generate with device='host'"
+        self.limits.check_prompt(len(prompt))  # its prompt processor needs the prompt in its method's cache slots
+        self.check_sampling(sampling)
+
+    def check_sampling(self, sampling: Sampling) -> None:
+        """Refuse what ExecuTorch's runner cannot do (`UnsupportedParameterError` naming the parameter): it samples
+        with a temperature only, its top-p is fixed and it seeds itself from the clock. The neutral values (top_p 1
+        or None, top_k 0 or None) and greedy decoding (where a generator changes nothing) pass."""
+        if not sampling.do_sample:
+            return
+        given = [f"{name}={value!r}" for name, value, neutral in (("top_p", sampling.top_p, (None, 1, 1.0)),
+                                                                  ("top_k", sampling.top_k, (None, 0)))
+                 if value not in neutral]
+        if sampling.generator is not None:
+            given.append("generator=(a seeded generator)")
+        if given:
+            name = given[0].split("=")[0]
+            raise UnsupportedParameterError(
+                f"ExecuTorch's runner (device {self.name!r}) samples with a temperature only: its top-p is fixed and it "
+                f"seeds itself, so {given[0]} cannot be honoured; drop {name}, or generate with device='host'",
+                param=name, backend=f"runner ({self.name})",
             )
 
     def runner_args(self, seq_len: int, temperature: float) -> list[str]:
@@ -287,20 +304,6 @@ def _load_tokenizer(root: Path):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(root / "tokenizer.json"))
-
-
-def _runner_stop_ids(tokenizer, root: Path, manifest: Manifest) -> set[int]:
-    """The ids ExecuTorch's runner stops at for Gemma4 (``runner.cpp``): the tokenizer's EOS (named by
-    tokenizer_config.json, which is pushed beside tokenizer.json) and the first id of ``encode("<turn|>")``."""
-    stops = set()
-    config = root / "tokenizer_config.json"
-    eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
-    eos_id = tokenizer.token_to_id(eos if isinstance(eos, str) else (eos or {}).get("content", "")) if eos else None
-    stops |= {eos_id} if eos_id is not None else set(manifest.tokenizer.eos_ids)
-    turn = tokenizer.encode("<turn|>", add_special_tokens=False).ids
-    if turn:
-        stops.add(turn[0])
-    return stops
 
 
 def _observer(lines: list[str]) -> dict[str, Any] | None:

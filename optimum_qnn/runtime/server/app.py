@@ -4,6 +4,11 @@
 in OpenAI's chunk format), ``GET /health``. One generation at a time with a bounded queue (`engine.Engine`): a
 full queue is a 429 with ``Retry-After``. Prompts reuse the cache of the previous request where they begin with it,
 and ``usage.prompt_tokens_details.cached_tokens`` says how many tokens were not prefilled again.
+
+Every backend serves: a request asks the backend for nothing beyond the neutral values unless the client sets them
+(`protocol.parse`), a parameter the backend cannot honour is a 400 naming it and the backend (`check_sampling`), a
+prompt longer than the backend takes is a 400 ``context_length_exceeded`` (`limits.Limits`), and any other failure is
+an OpenAI-shaped error, never a traceback: `api_error` maps it, a stream ends with an error event.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from optimum_qnn.runtime.chat import turn_end_ids
+from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQnnError, UnsupportedParameterError
+from optimum_qnn.runtime.generation import Sampling
+from optimum_qnn.runtime.limits import limits_of
 from optimum_qnn.runtime.server.engine import Engine, Job, QueueFull
 from optimum_qnn.runtime.server.protocol import ApiError, Request, chat_messages, completion_prompt, parse
+from optimum_qnn.runtime.stops import conversation_stop_ids
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,31 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+# What a client sends for each `generate` option a backend may refuse.
+_REQUEST_FIELD = {"generator": "seed", "top_p": "top_p", "top_k": "top_k"}
+
+
+def api_error(e: BaseException) -> ApiError:
+    """An exception from a request's handling or its backend as the OpenAI-shaped error the client gets: the user's
+    errors are 400s, a backend that failed a 500 with the first line of its message (the log has the rest)."""
+    if isinstance(e, ApiError):
+        return e
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, UnsupportedParameterError):
+        field = _REQUEST_FIELD.get(e.param, e.param)
+        return ApiError(400, f"{field} is not supported by the {e.backend} backend, which samples with a temperature "
+                        f"only (its top-p is fixed and it seeds itself): leave {field} out, or serve with --device host",
+                        code="unsupported_parameter", param=field)
+    if isinstance(e, ContextOverflowError):
+        return ApiError(400, str(e), code="context_length_exceeded", param="messages")
+    if isinstance(e, InvalidInputError):
+        return ApiError(400, str(e))
+    if isinstance(e, OptimumQnnError):
+        return ApiError(500, f"The model's backend failed: {first}", code="backend_error", kind="server_error")
+    return ApiError(500, f"The server failed unexpectedly ({type(e).__name__}); its log has the details",
+                    code="internal_error", kind="server_error")
+
+
 class Service:
     """The endpoints over one model: request checks, prompt building, the engine, the response shapes."""
 
@@ -49,8 +82,10 @@ class Service:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.api_key, self.max_body = api_key, max_body
         self.engine = Engine(model, tokenizer, queue_size=queue_size)
-        self.capacity = model.contract.context_len
-        self.eos = sorted(set(model.manifest.tokenizer.eos_ids) | turn_end_ids(tokenizer))
+        self.limits = limits_of(model)
+        self.capacity = self.limits.context_len
+        self.eos = conversation_stop_ids(model.manifest.tokenizer.eos_ids, tokenizer)
+        self.check_sampling = getattr(model.backend, "check_sampling", None)  # a backend that samples only partly
         self.created = int(time.time())
         self.stopping = False  # set when the server stops: cancelled generations then say why
 
@@ -89,6 +124,12 @@ class Service:
             raise ApiError(404, f"The model {name!r} does not exist here; this server serves {self.name!r}",
                            code="model_not_found", param="model")
 
+    def _check_sampling(self, options: dict[str, Any]) -> None:
+        """Refuse, before the request is queued, a sampling parameter the backend cannot honour (a 400 naming it)."""
+        if self.check_sampling is not None:
+            self.check_sampling(Sampling(options["do_sample"], options.get("temperature", 1.0), options.get("top_k"),
+                                         options.get("top_p"), options.get("generator")))
+
     def _ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
             messages = chat_messages(body)
@@ -101,9 +142,11 @@ class Service:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = self.tokenizer(completion_prompt(body), add_special_tokens=True)["input_ids"]
-        if len(ids) >= self.capacity:
+        if self.limits.room(len(ids)) < 1:
+            fits = "" if self.limits.max_prompt >= self.capacity else (
+                f" (on {self.model.device}, a prompt may hold at most {self.limits.max_prompt})")
             raise ApiError(
-                400, f"This model's maximum context length is {self.capacity} tokens. However, your "
+                400, f"This model's maximum context length is {self.capacity} tokens{fits}. However, your "
                 f"{'messages' if chat else 'prompt'} resulted in {len(ids)} tokens, with none left to generate. "
                 "Shorten them, or export with a larger --max-seq-len.",
                 code="context_length_exceeded", param="messages" if chat else "prompt",
@@ -141,13 +184,24 @@ class Service:
 
     async def _complete(self, request: HttpRequest, chat: bool) -> Response:
         try:
+            return await self._answer(request, chat)
+        except Exception as e:  # never a traceback to the client: an OpenAI-shaped error, logged once here
+            error = api_error(e)
+            if error.status >= 500:
+                logger.exception("A request failed")
+            return _error(error)
+
+    async def _answer(self, request: HttpRequest, chat: bool) -> Response:
+        try:
             self._check_key(request)
             body = await self._body(request)
             req = parse(body, chat=chat)
             self._check_model(req.model)
+            self._check_sampling(req.options)
             ids = self._ids(body, chat)
-            room = self.capacity - len(ids)
-            options = dict(req.options, max_new_tokens=min(req.max_tokens or room, room), eos_token_id=self.eos)
+            n = len(ids)
+            asked = self.limits.default_max_new_tokens(n) if req.max_tokens is None else min(req.max_tokens, self.limits.room(n))
+            options = dict(req.options, max_new_tokens=asked, eos_token_id=self.eos)
             job = Job(ids, options, req.stop)
             try:
                 done = self.engine.submit(job)
@@ -163,6 +217,8 @@ class Service:
             return StreamingResponse(self._stream(request, job, done, req, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await self._wait(request, job, done)
+        if job.error is not None:
+            return _error(api_error(job.error))
         if job.finish_reason == "cancelled":
             return _error(_STOPPING)
         choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
@@ -213,6 +269,9 @@ class Service:
             while (piece := await job.pieces.get()) is not None:
                 yield chunk(piece)
             await done  # the end mark comes from the worker just before its future completes
+            if job.error is not None:  # an error event, as OpenAI's streams send one (the client raises APIError)
+                yield f"data: {json.dumps(api_error(job.error).body())}\n\n"
+                return
             if job.finish_reason == "cancelled":  # the server stops (a client that left reads nothing more)
                 if self.stopping:  # an error event, as OpenAI's streams send one: the client learns why it ended
                     yield f"data: {json.dumps(_STOPPING.body())}\n\n"
@@ -221,6 +280,9 @@ class Service:
             if req.include_usage:
                 yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': self.name, 'choices': [], 'usage': self._usage(job)})}\n\n"
             yield "data: [DONE]\n\n"
+        except Exception as e:  # the stream has begun: end it with an error event rather than a cut connection
+            logger.exception("A stream failed")
+            yield f"data: {json.dumps(api_error(e).body())}\n\n"
         finally:
             if not done.done():  # the client went away (or the server stops): stop at the next token
                 job.cancel()
@@ -229,10 +291,10 @@ class Service:
 
 def build_app(model: Any, tokenizer: Any = None, *, name: str | None = None, api_key: str | None = None,
               queue_size: int = 8, max_body: int = DEFAULT_MAX_BODY) -> Starlette:
-    """The ASGI app serving ``model`` (a loaded `QNNModelForCausalLM`) under ``name`` (default: the artifact's folder
-    name)."""
+    """The ASGI app serving ``model`` (a loaded `QNNModelForCausalLM`) under ``name`` (default: ``model.name``, the
+    artifact folder's or Hub repo's name)."""
     service = Service(model, tokenizer if tokenizer is not None else model.tokenizer(),
-                      name=name or model.root.name, api_key=api_key, queue_size=queue_size, max_body=max_body)
+                      name=name or model.name, api_key=api_key, queue_size=queue_size, max_body=max_body)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

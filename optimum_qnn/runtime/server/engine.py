@@ -5,6 +5,9 @@ call at a time and the host backend's caches belong to one conversation). Every 
 reuse the longest prefix it holds (`generate(..., reuse_cache=True)`), so a client that sends the whole history each
 turn prefills only the new tokens. A job's text comes out as it is decoded, held back where it could still turn into
 a stop string, and a job can be cancelled (its client went away, or the server stops) at the next token.
+
+A backend that fails does not take the worker down: the job keeps the exception (``job.error``, finish reason
+``error``), logged here once, and the server turns it into an OpenAI-shaped error (`app.api_error`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.runtime.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: Any = None
+    error: BaseException | None = None  # what the backend raised (finish_reason "error")
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Filled by `Engine.submit`: where text pieces go as they come (None marks the end).
     pieces: asyncio.Queue | None = None
@@ -47,37 +52,37 @@ class Job:
 
 
 class _JobStreamer:
-    """The `generate` streamer of a job: decodes as tokens come, sends the text that no stop string can still claim,
-    and stops the generation at a stop string."""
+    """The `generate` streamer of a job: decodes as tokens come (`TextStream`), sends the text that no stop string can
+    still claim, and stops the generation at a stop string."""
 
     def __init__(self, job: Job, tokenizer: Any):
-        self.job, self.tokenizer = job, tokenizer
-        self.sent = 0
+        self.job, self.stream = job, TextStream(tokenizer)
         self.hold = max((len(s) for s in job.stop), default=0)
 
-    def put(self, value: torch.Tensor) -> None:
+    def put(self, value: Any) -> None:
         job = self.job
         if job.finish_reason == "stop":
             return
-        job.tokens += value.reshape(-1).tolist()
-        text = self.tokenizer.decode(job.tokens, skip_special_tokens=True)
+        ids = value.reshape(-1).tolist()
+        job.tokens += ids
+        self.stream.add(ids)
+        text = self.stream.text
         cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
         if cut >= 0:
             job.text, job.finish_reason = text[:cut], "stop"
             job.cancel()  # stop at the next token
-            self._send(job.text)
+            self._send(self.stream.take(cut))
             return
         job.text = text
-        if not text.endswith("\ufffd"):  # not half of a multi-byte character
-            self._send(text[: max(self.sent, len(text) - self.hold + 1)] if self.hold else text)
+        stable = len(self.stream.stable)
+        self._send(self.stream.take(stable - self.hold + 1 if self.hold else stable))
 
-    def _send(self, upto: str) -> None:
-        if len(upto) > self.sent:
-            self.job.loop.call_soon_threadsafe(self.job.pieces.put_nowait, upto[self.sent:])
-            self.sent = len(upto)
+    def _send(self, piece: str) -> None:
+        if piece:
+            self.job.loop.call_soon_threadsafe(self.job.pieces.put_nowait, piece)
 
     def end(self) -> None:
-        self._send(self.job.text)
+        self._send(self.stream.take(len(self.job.text)))
 
 
 class Engine:
@@ -117,7 +122,16 @@ class Engine:
                 job.finish_reason = "cancelled"
                 return job
             streamer = _JobStreamer(job, self.tokenizer)
-            self.model.generate(job.ids, streamer=streamer, cancel=job.cancelled.is_set, reuse_cache=True, **job.options)
+            try:
+                self.model.generate(job.ids, streamer=streamer, cancel=job.cancelled.is_set, reuse_cache=True,
+                                    **job.options)
+            except Exception as e:  # the worker outlives a failing backend; the server answers with the error
+                job.error, job.finish_reason = e, "error"
+                if isinstance(e, OptimumQnnError):
+                    logger.warning("The generation failed: %s", e)
+                else:
+                    logger.exception("The backend failed unexpectedly")
+                return job
             s = job.stats = self.model.stats
             if job.finish_reason is None:
                 job.finish_reason = {"eos": "stop", "cancelled": "cancelled"}.get(s.stopped_by, "length")

@@ -92,12 +92,15 @@ def parse(body: Any, *, chat: bool) -> Request:
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    if temperature == 0:
-        options: dict[str, Any] = {"do_sample": False}
-    else:
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        options = {"do_sample": True, "temperature": temperature, "top_p": top_p if top_p > 0 else 1e-6,
-                   "generator": generator}
+    # Only what differs from the neutral value reaches `generate`: a plain request (temperature 1, top_p 1, no seed)
+    # asks for nothing that a backend might not have (ExecuTorch's runner has no top-p filter and no seed).
+    options: dict[str, Any] = {"do_sample": temperature > 0}
+    if temperature > 0:
+        options["temperature"] = temperature
+        if top_p < 1:
+            options["top_p"] = top_p if top_p > 0 else 1e-6
+        if seed is not None:
+            options["generator"] = torch.Generator().manual_seed(seed)
     return Request(model, stream, bool(stream_options.get("include_usage")), max_tokens, options, stops)
 
 

@@ -62,12 +62,26 @@ def test_assistant_mtp_drafter_is_refused_with_why(unified, tmp_path):
 
 
 def test_31b_dense_uses_the_supported_classes(tmp_path):
-    """The 31B dense is `gemma4` without PLE, KV sharing or the MoE block: the config passes, and the static model of
-    a tiny config with those traits matches Hugging Face (tests/models/gemma4/test_parity.py, `no_ple_no_share_kv`)."""
+    """The 31B dense is `gemma4` without PLE, KV sharing, the double-wide MLP or the MoE block: its config is read with
+    those traits off, and the static model of a tiny model with them (every module swapped) generates Hugging Face's
+    greedy tokens."""
+    import torch
+
+    from optimum_qnn import StaticCausalLM
     from optimum_qnn.models.gemma4.loading import read_text_config
+    from tests.gemma4_tiny import tiny_model
 
     config = tiny_config(hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False)
-    read_text_config(_folder(tmp_path, config))
+    read = read_text_config(_folder(tmp_path, config))
+    assert (read.hidden_size_per_layer_input, read.num_kv_shared_layers, read.use_double_wide_mlp) == (0, 0, False)
+    assert not getattr(read, "enable_moe_block", False)
+    model = tiny_model(read, seed=3)
+    static = StaticCausalLM.from_hf(model, max_context_len=64, ar_len=8)
+    prompt = torch.randint(3, read.vocab_size, (1, 11), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16, eos_token_id=None,
+                             pad_token_id=0)
+    assert static.generate(prompt, max_new_tokens=16).tolist() == ref.tolist()
 
 
 def test_31b_sized_dense_is_refused_by_the_memory_estimate_before_any_weight(tmp_path):
