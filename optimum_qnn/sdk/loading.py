@@ -229,6 +229,15 @@ def _add_library_path(lib_dir: Path, host: Host) -> None:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([*parts, str(lib_dir)])
 
 
+def _import_torch_if_installed() -> None:
+    """torch first, where it is installed (see `_load_globally`); the runtime install has none, and then nothing
+    can load it after the QNN libraries (the unwinder hazard of the other order is `protect_unwinder`'s)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
+
 def _load_globally(lib_dir: Path, host: Host) -> None:
     """Load the HTP and System libraries with RTLD_GLOBAL so `dlopen` by bare name finds them later.
 
@@ -237,8 +246,7 @@ def _load_globally(lib_dir: Path, host: Host) -> None:
     (`libHtpPrepare.so` / `libQnnHtpPrepare.so`) is never loaded: next to libQnnHtp.so it aborts with
     `duplicate op key @BlockZap`.
     """
-    import torch  # noqa: F401  (import order matters, see above)
-
+    _import_torch_if_installed()  # import order matters, see above
     from optimum_qnn.sdk.onnxruntime_ep import bind_onnxruntime_first
 
     bind_onnxruntime_first()  # onnxruntime loaded after the global loads below would crash (see that module)
@@ -260,8 +268,7 @@ def read_build_id(htp_library: Path) -> str:
     Raises:
         QnnSdkError: when no build id can be found.
     """
-    import torch  # noqa: F401  (must precede loading any QNN library, see `_load_globally`)
-
+    _import_torch_if_installed()  # must precede loading any QNN library, see `_load_globally`
     if _exports_qnn_interface(htp_library):
         try:
             from executorch.backends.qualcomm.python import PyQnnManagerAdaptor

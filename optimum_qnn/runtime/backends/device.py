@@ -55,7 +55,11 @@ def default_host_runtime() -> tuple[str, str]:
     runtime install; or an ExecuTorch without QNN: the registry's aarch64 wheel)."""
     import importlib.util
 
-    if importlib.util.find_spec("executorch") is None:
+    try:
+        installed = importlib.util.find_spec("executorch") is not None
+    except ImportError:  # a finder that knows it is not importable here
+        installed = False
+    if not installed:
         return "onnxruntime", "ExecuTorch is not installed (the runtime install)"
     from optimum_qnn.sdk.backend import QNN_BACKEND, registered_backends
 

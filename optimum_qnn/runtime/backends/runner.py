@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.contract import PREFILL_METHOD
@@ -160,7 +160,7 @@ class RunnerBackend:
 
     # -- generation --------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
+    def generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
                  streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
         """The new tokens after ``prompt``; fills ``self.stats`` from the runner's own figures.
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 
 class ApiError(Exception):
@@ -100,7 +100,7 @@ def parse(body: Any, *, chat: bool) -> Request:
         if top_p < 1:
             options["top_p"] = top_p if top_p > 0 else 1e-6
         if seed is not None:
-            options["generator"] = torch.Generator().manual_seed(seed)
+            options["generator"] = np.random.default_rng(seed)
     return Request(model, stream, bool(stream_options.get("include_usage")), max_tokens, options, stops)
 
 
