@@ -1,0 +1,135 @@
+"""The docs hold together: every relative link and `#anchor` of README.md, CHANGELOG.md and docs/*.md resolves
+(anchors as GitHub makes them from headings), and docs/architecture.md names every module of the package."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "optimum_qnn"
+PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks (a `# comment` in a bash block is not a heading) and inline code."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lowercased, markup and punctuation dropped (letters, digits, `_`, `-` and
+    spaces kept), spaces to hyphens."""
+    text = re.sub(r"<[^>]+>", "", heading)  # HTML comments and tags
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link keeps its text
+    text = text.replace("`", "").strip().lower()
+    text = "".join(c for c in text if c.isalnum() or c in " -_")
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """Every heading anchor of a page; a repeated heading gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in HEADING.findall(FENCE.sub("", text)):
+        slug = github_anchor(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def dead_links(page: Path) -> list[str]:
+    """The relative links of ``page`` whose file or anchor does not exist, each as `page: target (why)`."""
+    wrong = []
+    for target in LINK.findall(prose(page.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # https:, mailto: ... are not checked here
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            wrong.append(f"{page.name}: {target} (no file {resolved})")
+        elif anchor and (resolved.suffix != ".md" or anchor not in anchors(resolved.read_text())):
+            wrong.append(f"{page.name}: {target} (no heading #{anchor} in {resolved.name})")
+    return wrong
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_and_anchor_resolves(page):
+    assert page.is_file()
+    assert dead_links(page) == []
+
+
+def test_the_pages_are_found_and_link_to_each_other():
+    names = {str(p.relative_to(REPO)) for p in PAGES}
+    assert {"docs/exporting.md", "docs/running.md", "docs/architecture.md", "docs/benchmarks.md",
+            "docs/runner_contract.md"} <= names
+    readme_links = LINK.findall(prose((REPO / "README.md").read_text()))
+    for page in PAGES[2:]:  # the README links every docs page
+        assert any(link.split("#")[0] == f"docs/{page.name}" for link in readme_links), page.name
+
+
+def test_github_anchors():
+    assert github_anchor("Run, chat, serve") == "run-chat-serve"
+    assert github_anchor("Run with ExecuTorch's C++ runner on this machine") == (
+        "run-with-executorchs-c-runner-on-this-machine")
+    assert github_anchor("The `--soc` table <!-- x -->") == "the---soc-table"
+    assert github_anchor("[Unreleased]") == "unreleased"
+    assert anchors("# A\n## A\n```bash\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+def test_a_dead_link_or_anchor_is_found(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## Its section\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n[ok](other.md#its-section) [ok](#page) [web](https://example.com/x.md) `[code](nowhere.md)`\n"
+        "```\n[in a block](nowhere.md)\n```\n"
+        "[gone](missing.md) [bad anchor](other.md#no-such) [bad here](#nope)\n"
+    )
+    assert dead_links(page) == [
+        f"page.md: missing.md (no file {tmp_path / 'missing.md'})",
+        "page.md: other.md#no-such (no heading #no-such in other.md)",
+        "page.md: #nope (no heading #nope in page.md)",
+    ]
+
+
+# --- docs/architecture.md names every module ----------------------------------------------------------------------
+
+
+def package_names(root: Path) -> set[str]:
+    """How the architecture page names each module: `a/b.py` for a module, `a/` for a package (its __init__.py),
+    both relative to the package folder; the package's own __init__.py and __main__.py by their file names."""
+    names = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.name == "__init__.py":
+            names.add(f"{rel.parent.as_posix()}/" if rel.parent != Path(".") else "__init__.py")
+        else:
+            names.add(rel.as_posix())
+    return names
+
+
+def unnamed_modules(page_text: str, root: Path) -> list[str]:
+    named = set(re.findall(r"`([^`\s]+)`", page_text))
+    return sorted(package_names(root) - named)
+
+
+def test_the_architecture_page_names_every_module():
+    names = package_names(PACKAGE)
+    assert len(names) > 80 and "exporter/by_reference.py" in names and "runtime/backends/" in names
+    missing = unnamed_modules((REPO / "docs" / "architecture.md").read_text(), PACKAGE)
+    assert missing == [], "name these in docs/architecture.md, with a one-line role: " + ", ".join(missing)
+
+
+def test_an_unnamed_module_is_found(tmp_path):
+    (tmp_path / "wing" / "inner").mkdir(parents=True)
+    for name in ("__init__.py", "core.py", "wing/__init__.py", "wing/a.py", "wing/inner/__init__.py", "wing/inner/b.py"):
+        (tmp_path / name).write_text("")
+    page = "| `__init__.py` | `core.py` | `wing/` | `wing/a.py` | `wing/inner/` | b.py |"
+    assert unnamed_modules(page, tmp_path) == ["wing/inner/b.py"]
