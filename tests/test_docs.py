@@ -133,3 +133,74 @@ def test_an_unnamed_module_is_found(tmp_path):
         (tmp_path / name).write_text("")
     page = "| `__init__.py` | `core.py` | `wing/` | `wing/a.py` | `wing/inner/` | b.py |"
     assert unnamed_modules(page, tmp_path) == ["wing/inner/b.py"]
+
+
+# --- the commands the pages show are commands the CLI takes -------------------------------------------------------
+
+BLOCK = re.compile(r"^```(?:bash|sh|powershell)?[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+COMMAND = re.compile(r"^(python -m optimum_qnn|optimum-cli export qnn) ")
+
+
+def documented_commands(text: str) -> list[str]:
+    """Every `python -m optimum_qnn ...` and `optimum-cli export qnn ...` line of the page's code blocks (continued
+    lines joined; a block may be indented, as in a numbered list)."""
+    commands = []
+    for block in BLOCK.findall(re.sub(r"(?m)^[ \t]+(?=```)", "", text)):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if COMMAND.match(line):
+                commands.append(line)
+    return commands
+
+
+def refusal(command: str) -> str | None:
+    """Why the CLI would refuse ``command`` before doing any work (its arguments, the SoC, scheme and device
+    names), or None. Nothing runs: the arguments are parsed and mapped onto configs only."""
+    import contextlib
+    import io
+    import shlex
+
+    from optimum_qnn.__main__ import build_parser
+    from optimum_qnn.cli import configs_from_args
+    from optimum_qnn.config import RECIPES, QuantScheme, Soc
+    from optimum_qnn.errors import OptimumQnnError
+    from optimum_qnn.runtime.backends.device import DeviceSpec
+
+    words = shlex.split(command, comments=True)
+    argv = ["export", *words[3:]] if words[0] == "optimum-cli" else words[3:]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = build_parser().parse_args(argv)
+    except SystemExit:
+        return stderr.getvalue().strip().splitlines()[-1]
+    try:
+        if args.command == "export":
+            configs_from_args(args)
+        else:
+            if getattr(args, "soc", None):
+                Soc.parse(args.soc)
+            if getattr(args, "quant", None) and args.quant not in RECIPES:
+                QuantScheme.parse(args.quant)
+            if getattr(args, "device", None):
+                DeviceSpec.parse(args.device)
+    except OptimumQnnError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_command_a_page_shows_is_one_the_cli_takes(page):
+    commands = documented_commands(page.read_text())
+    assert [(c, why) for c in commands if (why := refusal(c))] == []
+
+
+def test_the_pages_show_commands_and_a_wrong_one_is_refused():
+    readme = documented_commands((REPO / "README.md").read_text())
+    assert any(c.startswith("optimum-cli export qnn") for c in readme)
+    assert {c.split()[3] for c in readme if c.startswith("python -m")} >= {"run", "chat", "serve"}
+    assert len(documented_commands((REPO / "docs" / "running.md").read_text())) >= 5
+    assert "unrecognized arguments: --sco" in refusal("python -m optimum_qnn run m --sco SM8750 --prompt hi")
+    assert "SM9999" in refusal("optimum-cli export qnn --model m --output o --soc SM9999")
+    assert "Unknown device 'phone'" in refusal("python -m optimum_qnn run m --device phone --prompt hi")
+    assert refusal("python -m optimum_qnn run m --soc SM8750 --device adb --prompt 'hi'  # a comment") is None
