@@ -204,3 +204,24 @@ def test_the_pages_show_commands_and_a_wrong_one_is_refused():
     assert "SM9999" in refusal("optimum-cli export qnn --model m --output o --soc SM9999")
     assert "Unknown device 'phone'" in refusal("python -m optimum_qnn run m --device phone --prompt hi")
     assert refusal("python -m optimum_qnn run m --soc SM8750 --device adb --prompt 'hi'  # a comment") is None
+
+
+def test_the_readme_soc_summary_is_what_the_code_supports():
+    """The README's short SoC table (the full one is generated into docs/exporting.md): every HTP arch once, each
+    SoC it names of that arch, and each row's schemes those the code lets the arch run ("all": every scheme)."""
+    from optimum_qnn.config import QuantScheme, Soc
+    from optimum_qnn.socs import HTP_ARCHS, arch_supports
+
+    section = (REPO / "README.md").read_text().split("## Supported SoCs and models", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| v")]
+    seen = []
+    for arches_cell, socs_cell, schemes_cell in rows:
+        arches = [int(a) for a in re.findall(r"v(\d+)", arches_cell)]
+        seen += arches
+        for soc in re.findall(r"`([A-Z0-9]+)`", socs_cell):
+            assert Soc.parse(soc).htp_arch in arches, (soc, arches_cell)
+        for arch in arches:
+            runs = {q.value for q in QuantScheme if arch_supports(arch, q.value)}
+            written = {q.value for q in QuantScheme} if schemes_cell == "all" else set(re.findall(r"`([^`]+)`", schemes_cell))
+            assert written == runs, (arch, schemes_cell, sorted(runs))
+    assert sorted(seen) == sorted(HTP_ARCHS)
