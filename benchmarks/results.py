@@ -1,7 +1,8 @@
 """benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json and
 e4b_full.json (e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py),
 chat_reuse.json (chat_reuse.py), lowering_profile.json (e2b_full.py --profile) and multi_soc.json (multi_soc.py). Nothing here
-measures; `lookup` resolves the row keys that README.md quotes figures under (tests/test_figures.py checks them).
+measures; `lookup` resolves the row keys that README.md, CHANGELOG.md and docs/ quote figures under
+(tests/test_figures.py checks them).
 
 Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
 """

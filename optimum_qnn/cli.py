@@ -50,7 +50,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--soc", nargs="+", default=[s.value for s in _DEFAULTS.socs], metavar="SOC",
         help="one or more target SoCs, named as ExecuTorch names them: "
         + ", ".join(f"{s.value} ({s.info.marketing or s.info.device}, v{s.htp_arch})" for s in Soc)
-        + "; what each HTP arch supports: the README's SoC table (default: %(default)s)",
+        + "; what each HTP arch supports: the SoC table in docs/exporting.md (default: %(default)s)",
     )
     opt.add_argument(
         "--quant", nargs="+", default=[_DEFAULTS.quant.value], metavar="SCHEME",

@@ -192,7 +192,7 @@ def check_supported(soc: Soc, schemes: list[str]) -> None:
 
 
 def soc_table_markdown() -> str:
-    """The README's SoC table: one row per chipset, grouped by HTP arch."""
+    """The SoC table of docs/exporting.md: one row per chipset, grouped by HTP arch."""
     lines = [
         "| `--soc` | chip | device | HTP | VTCM | 8a8w | fp16 | 16a8w, 16a4w | 16a16w | 16a4w_block |",
         "|---|---|---|---|---|---|---|---|---|---|",

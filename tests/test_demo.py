@@ -34,6 +34,7 @@ def test_demo_exports_generates_and_prints_its_parity(demo_model_dir, run_python
     assert 0 < n == n2 and first <= n
     if first < n:  # a greedy run that parts from fp32 says where and by how little fp32 itself chose
         assert re.search(r"where they part, fp32's top two logits are \d+\.\d{3} apart", text)
+    assert "The stable figures are the teacher-forced top-1 and the logits SQNR" in text  # the last lines explain it
     # The bound comes from the stored 16a8w row of the demo model (benchmarks/rows.json, schemes/16a8w: top-1 over
     # 1024 held-out tokens, teacher-forced): the expected misses in n positions, plus 3 (at a miss rate of about 1 %,
     # 4 or more extra misses in 32 positions happen less than once in a thousand runs).
@@ -42,3 +43,19 @@ def test_demo_exports_generates_and_prints_its_parity(demo_model_dir, run_python
     assert sqnr >= row["SQNR dB"] - 6, (sqnr, row["SQNR dB"])  # one prompt's 39 positions against the row's 1024 tokens
     # What the libraries print is held back without -v: nothing but the demo's own lines on stdout.
     assert not [line for line in text.splitlines() if "[INFO]" in line or "Warning" in line]
+
+
+def test_the_parity_line_is_explained_in_plain_words():
+    """The demo's last lines: the stable figures, and what a greedy count that stops early at a near tie means."""
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    from demo import parity_meaning
+
+    parted = " ".join(parity_meaning(7, 32, 0.0123).split())
+    assert parted.startswith("The stable figures are the teacher-forced top-1 and the logits SQNR")
+    assert "first token that differs (token 8 of 32)" in parted and "top two logits are 0.012 apart" in parted
+    assert "near tie" in parted
+    whole = " ".join(parity_meaning(32, 32, None).split())
+    assert "ran to the end: both models generated the same 32 tokens" in whole and "near tie" not in whole
+    assert all(len(line) <= 127 for line in parity_meaning(7, 32, 0.0123).splitlines())

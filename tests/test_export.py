@@ -162,7 +162,7 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     from transformers import AutoTokenizer
 
     from optimum_qnn.exporter.evaluation import windows
-    from optimum_qnn.artifacts.hub import model_card
+    from optimum_qnn.artifacts.model_card import model_card
 
     evaluation = model.manifest.evaluation
     print(f"16a8w --evaluate: {evaluation}")
@@ -383,7 +383,7 @@ def test_export_folder_has_its_model_card_and_no_local_path(demo_kv_export, demo
     """The artifact folder is complete as it will be published: README.md beside the index (not only on the Hub),
     and the manifest names the source model by its folder's name, never by the exporting machine's path."""
     from optimum_qnn.exporter.pipeline import source_model_id
-    from optimum_qnn.artifacts.hub import CARD_MARKER
+    from optimum_qnn.artifacts.model_card import CARD_MARKER
     from optimum_qnn.artifacts.manifest import read_manifest
 
     card = (demo_kv_export / "README.md").read_text()

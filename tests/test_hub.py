@@ -55,7 +55,7 @@ def _keep_variants(folder: Path, keep: set[str]) -> None:
 def artifacts(random_kv_export, tmp_path_factory):
     """The session's export of the random model (shared with test_export): ``v1`` holds its SM8650 variant only,
     ``full`` SM8650 and SM8750."""
-    from optimum_qnn.artifacts.hub import write_model_card
+    from optimum_qnn.artifacts.model_card import write_model_card
 
     base = tmp_path_factory.mktemp("hub-artifacts")
     full, v1 = base / "full", base / "v1"

@@ -52,7 +52,7 @@ def test_model_card_metadata(artifacts, tmp_path):
 
     from huggingface_hub import ModelCard
 
-    from optimum_qnn.artifacts.hub import model_card
+    from optimum_qnn.artifacts.model_card import model_card
     from optimum_qnn.artifacts.manifest import read_manifest
 
     card = ModelCard((artifacts["full"] / "README.md").read_text())
@@ -68,6 +68,16 @@ def test_model_card_metadata(artifacts, tmp_path):
         row = f"| `qnn/{soc.lower()}/fp16-ctx32-kv` | {soc} | v{arch} | fp16 | 32 | kv |"
         assert row in card.text and manifest.versions.qairt_build_id in card.text
     assert "](http" not in card.text  # no link out: the repository the card once linked does not exist
+    # What the variant is, how to run it per host, its measured quality and size, the limits.
+    assert "| `qnn/sm8650/fp16-ctx32-kv` | SM8650 | v75 | fp16 | 32 | kv | no |" in card.text  # weights not shared
+    assert "not measured" in card.text  # exported without --evaluate
+    run = card.text.split("## Run it", 1)[1].split("## Limits", 1)[0]
+    assert "On a phone over adb" in run and "--soc SM8650 --quant fp16 --device adb" in run  # both SoCs are phones
+    assert "On x86 Linux, the HTP emulator" in run  # the variants' weights are not shared
+    assert "Windows on Snapdragon" not in run and "Linux board" not in run  # no SoC of theirs is one
+    assert 'from_pretrained("<repo_id>", soc="SM8650", quant="fp16"' in run
+    limits = card.text.split("## Limits", 1)[1]
+    assert "only on the SoC it was compiled for" in limits and "QAIRT 2.49 or newer" in limits
 
     # A source given by Hub id becomes base_model.
     folder = tmp_path / "out"

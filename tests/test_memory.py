@@ -65,7 +65,7 @@ def measured_rows():
 
 
 def test_parameter_counts_of_e2b_from_its_config(e2b):
-    # README "Export memory": the tables are 2.75 B of E2B's 4.63 B parameters.
+    # docs/exporting.md, "Export memory": the tables are 2.75 B of E2B's 4.63 B parameters.
     assert round(e2b.tables / 1e9, 2) == 2.75 and round(e2b.total / 1e9, 2) == 4.63
     assert len(e2b.layers) == 35 and e2b.stored_bytes == 2  # bf16, as published
     # The last 20 layers reuse an earlier layer's KV and have a double-wide MLP (12288): bigger than the first.
@@ -81,8 +81,8 @@ def test_estimate_reproduces_every_measured_stage():
         est = estimate(counts, config, len(starts) + 1, starts=starts)  # split as the row was measured
         for stage, gb in measured.items():
             where = (len(counts.layers), starts, stage, est.stages[stage], gb)
-            # what README "Export memory" and memory.py state: within FIT_MAX_ERROR_GB either way, and never below a
-            # measured peak by more than the FIT_ERROR_GB a shard choice keeps to spare (else a chosen plan overruns)
+            # what docs/exporting.md ("Export memory") and memory.py state: within FIT_MAX_ERROR_GB either way, and never
+            # below a measured peak by more than the FIT_ERROR_GB a shard choice keeps to spare (else a chosen plan overruns)
             assert abs(est.stages[stage] - gb) <= FIT_MAX_ERROR_GB, where
             assert est.stages[stage] >= gb - FIT_ERROR_GB, where
             checked += 1

@@ -11,8 +11,6 @@ bit-identical outputs on the x86 HTP emulator.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import os
 import re
@@ -24,50 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from optimum_qnn.exporter import by_reference, parallel_compile
+from optimum_qnn.exporter import parallel_compile
 from optimum_qnn.exporter.parallel_compile import _WorkerPool, workers_private_mb
+from tests.htp_graphs import lower_stack, stack_and_inputs
 
 needs_fork = pytest.mark.skipif(not parallel_compile.fork_available(), reason="compile workers need Linux fork")
-
-
-class _Layer(nn.Module):
-    """RMSNorm -> linear -> gelu -> linear, residual: one shard's worth of HTP ops."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.Parameter(torch.rand(dim) + 0.5)
-        self.up, self.down = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
-
-    def forward(self, x):
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
-        return x + self.down(nn.functional.gelu(self.up(h), approximate="tanh"))
-
-
-class Stack(nn.Module):
-    """`layers.N` like the Gemma4 static model, so `shard_starts` cut it between layers."""
-
-    def __init__(self, layers: int = 3, dim: int = 64):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(dim) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def stack_and_inputs():
-    torch.manual_seed(0)
-    return Stack().eval(), {"prefill_forward": (torch.randn(1, 4, 64),), "kv_forward": (torch.randn(1, 1, 64),)}
-
-
-def lower_stack(workers: int):
-    from optimum_qnn.config import Soc
-    from optimum_qnn.exporter.lowering import lower_to_pte
-
-    module, inputs = stack_and_inputs()
-    programs = {name: (module, example) for name, example in inputs.items()}
-    return lower_to_pte(programs, Soc.SM8650, fp16=True, shard_starts=(1, 2), weight_sharing=False, workers=workers)
 
 
 # --- the worker pool, without QNN ----------------------------------------------------------------------------------
@@ -430,46 +389,6 @@ def test_a_worker_compiles_exactly_what_the_parent_would(qnn_sdk, monkeypatch):
 
 
 @needs_fork
-def test_weights_handed_to_qnn_by_reference_compile_what_copies_compile(qnn_sdk):
-    """`weights_by_reference`: the same program as with ExecuTorch's copies, byte for byte but the contexts' clock
-    stamps; each method's equal weights handed over once. Both lowerings run in children forked from this process's
-    QNN state (a second lowering in one process numbers its QNN tensors on from the first)."""
-    from optimum_qnn.artifacts.inspection.pte import normalized_program
-    from optimum_qnn.exporter.forked import run_forked
-
-    def lower(referenced: bool):
-        calls = []
-        keep = by_reference.KeptArrays.keep
-
-        def counting(self, data):
-            calls.append(data.nbytes)
-            return keep(self, data)
-
-        by_reference.KeptArrays.keep = counting
-        if not referenced:
-            parallel_compile.weights_by_reference = lambda kept: contextlib.nullcontext()
-        lowered = lower_stack(workers=2)
-        return lowered.buffer, calls
-
-    referenced, calls = run_forked(lambda: lower(True), "the lowering by reference")
-    copies, no_calls = run_forked(lambda: lower(False), "the lowering with copies")
-    assert not no_calls and len(calls) >= 6  # 3 shards x 2 methods, a weight each at least
-    assert normalized_program(referenced) == normalized_program(copies)
-
-
-def test_kept_arrays_hold_equal_contents_once():
-    import numpy as np
-
-    kept = by_reference.KeptArrays()
-    a = np.arange(1 << 20, dtype=np.int8).reshape(1024, 1024)
-    twin, other = a.copy(), a.copy()
-    other[512, 7] += 1  # one byte differs
-    assert kept.keep(a) is a and kept.keep(twin) is a and kept.keep(other) is other
-    assert kept.keep(a.astype(np.uint8)) is not a  # same bytes, another dtype
-    assert kept.nbytes == 3 * a.nbytes
-
-
-@needs_fork
 def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
     """`die_with_parent`: a compile worker or a SoC's lowering does not outlive an export that was killed."""
     marker = tmp_path / "grandchild"
@@ -503,65 +422,3 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-@needs_fork
-def test_the_op_check_side_by_side_finds_what_the_partitioner_checks(qnn_sdk):
-    """`edge.supported_nodes` with 2 processes (each every other node) gives the partitioner the set its own check
-    over every node in one process gives; the shards' CPU hand-over ops are the nodes left out."""
-    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
-
-    from optimum_qnn.config import Soc
-    from optimum_qnn.exporter.edge import SHARD_OP, _supported_share, method_names, supported_nodes
-    from optimum_qnn.exporter.lowering import EdgeLowering, compile_specs
-
-    module, inputs = stack_and_inputs()
-    lowering = EdgeLowering({name: (module, example) for name, example in inputs.items()}, fp16=True, shard_starts=(1, 2))
-    lowering.prepare()
-    edge = lowering._edge
-    spec = compile_specs(Soc.SM8650, fp16=True, multiple_graphs=True, weight_sharing=False, multiple_contexts=True)
-    skip = {SHARD_OP}
-    with QnnManagerContext({name: spec for name in method_names(edge)}):
-        side_by_side = supported_nodes(edge, spec, skip, workers=2)
-        alone = _supported_share(edge, spec, frozenset(skip), 1, 0)
-        assert supported_nodes(edge, spec, skip, workers=1) == {}  # the partitioner checks them itself
-    assert side_by_side == {name: frozenset(nodes) for name, nodes in alone.items()}
-    for name in method_names(edge):
-        calls = [n for n in edge.exported_program(name).graph.nodes if n.op == "call_function"]
-        left_out = {n.target.__name__ for n in calls if n.name not in side_by_side[name]}
-        assert len(side_by_side[name]) > 10 and left_out == {SHARD_OP}, (name, left_out)
-
-
-@needs_fork
-def test_partitions_proposed_side_by_side_are_the_partitioner_s_own(qnn_sdk):
-    """`partitions.proposed_side_by_side` (the second method's proposal made in a forked child and handed back by
-    node name) gives every method the partitions ExecuTorch's own proposal makes in place: the same ids, nodes and
-    node orders, in the same order, rebuilt over the nodes of a copy of the program (ExecuTorch partitions one); one
-    partition per shard."""
-    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
-    from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
-        generate_partitions_from_list_of_nodes,
-    )
-
-    from optimum_qnn.config import Soc
-    from optimum_qnn.exporter.edge import SHARD_OP, method_names, supported_nodes
-    from optimum_qnn.exporter.lowering import EdgeLowering, compile_specs
-    from optimum_qnn.exporter.partitions import NamedNodes, by_node, proposed_side_by_side
-
-    module, inputs = stack_and_inputs()
-    lowering = EdgeLowering({name: (module, example) for name, example in inputs.items()}, fp16=True, shard_starts=(1, 2))
-    lowering.prepare()
-    edge = lowering._edge
-    methods = method_names(edge)
-    spec = compile_specs(Soc.SM8650, fp16=True, multiple_graphs=True, weight_sharing=False, multiple_contexts=True)
-    with QnnManagerContext({name: spec for name in methods}):
-        supported = supported_nodes(edge, spec, {SHARD_OP}, workers=2)
-    proposed = proposed_side_by_side(edge, supported, methods)
-    assert list(proposed) == methods and len(methods) == 2
-    for name in methods:
-        graph_module = copy.deepcopy(edge.exported_program(name).graph_module)
-        own = generate_partitions_from_list_of_nodes(graph_module, op_support=NamedNodes(supported[name]))
-        assert len(own) == 3  # the three shards, split at the CPU hand-over ops
-        rebuilt = by_node(graph_module.graph, proposed[name])
-        assert [(p.id, list(p.nodes.items())) for p in rebuilt] == [(p.id, list(p.nodes.items())) for p in own]
-    assert proposed_side_by_side(edge, supported, methods[:1]) == {}  # one method: the partitioner proposes it

@@ -1,5 +1,5 @@
-"""optimum_qnn.socs: the SoC table against the pinned ExecuTorch, the refusals of what an arch lacks, the README's
-table, and which SoC a host says it is (doctor)."""
+"""optimum_qnn.socs: the SoC table against the pinned ExecuTorch, the refusals of what an arch lacks, the docs'
+table (docs/exporting.md), and which SoC a host says it is (doctor)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, Soc
 from optimum_qnn.errors import OptimumQnnError, UnsupportedOnSocError
 from optimum_qnn.socs import ARCH_LIMITS, HTP_ARCHS, arch_supports, scheme_features, soc_table_markdown
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SOC_PAGE = Path(__file__).resolve().parents[1] / "docs" / "exporting.md"
 
 
 def test_every_chipset_of_the_pinned_executorch_is_a_soc_with_its_arch_vtcm_and_id():
@@ -105,8 +105,8 @@ def test_parse_accepts_executorch_s_names_in_any_case_and_lists_them_on_a_miss()
         Soc.parse("X1E78100")
 
 
-def test_readme_soc_table_is_the_generated_one():
-    text = README.read_text()
+def test_the_docs_soc_table_is_the_generated_one():
+    text = SOC_PAGE.read_text()
     block = text.split("<!-- soc-table:begin -->\n", 1)[1].split("\n<!-- soc-table:end -->", 1)[0]
     assert block == soc_table_markdown()
 

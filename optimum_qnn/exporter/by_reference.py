@@ -54,7 +54,7 @@ def weights_by_reference(kept: KeptArrays) -> Iterator[None]:
     lm_head's shard of 599 M parameters); the wrappers copied each, and the worker that compiled the shard inherited
     the copies, peaking at 5337 MB private. By reference, with the methods' equal arrays kept once, the
     wrappers hold 555 MB for both methods. QNN reads the same bytes either way, and the context binaries are the same
-    (tests/test_parallel_compile.py)."""
+    (tests/test_by_reference.py)."""
     import numpy as np
     from executorch.backends.qualcomm.builders import node_visitor
 

@@ -489,7 +489,7 @@ def qnn_refusal_message(soc: Soc, native_text: str) -> str:
     arch = _QNN_ARCH_TOO_OLD.search(" ".join(errors))
     if arch and int(arch.group("has")) == soc.htp_arch:
         why = (f"An op of the graph needs HTP v{arch.group('needs')} or newer at this precision, and {soc.value} is "
-               f"v{soc.htp_arch}: another --quant may compile (the README's SoC table says what each arch supports).")
+               f"v{soc.htp_arch}: another --quant may compile (docs/exporting.md lists what each arch supports).")
     else:
         why = "The graph uses an op the HTP has no kernel for at this precision, and another --quant may compile."
     return (f"QNN's HTP compiler refused a graph for {soc.value} ({said}). {why} QNN's own output is above, and -v "

@@ -324,7 +324,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
         load_report=load_report, tokenizer=tokenizer, text_config=static.text_config, weight_digests=digests,
     )
-    from optimum_qnn.artifacts.hub import write_model_card
+    from optimum_qnn.artifacts.model_card import write_model_card
     from optimum_qnn.artifacts.inspection import export_time_inspection
     from optimum_qnn.exporter.delegation import format_delegation
     from optimum_qnn.exporter.lowering import EdgeLowering, LoweredProgram

@@ -23,7 +23,7 @@ def softcap(x: torch.Tensor, cap: float, *, quantized: bool = False) -> torch.Te
         cap: the soft cap (``final_logit_softcapping``).
         quantized: the graph will be PT2E-quantized.
 
-    ``tests/test_lowering.py::test_softcap_on_the_htp`` checks all four cases.
+    ``tests/test_htp_pitfalls.py::test_softcap_on_the_htp`` checks all four cases.
     """
     if quantized:
         return torch.tanh(x * (1.0 / cap)) * cap

@@ -1,7 +1,7 @@
 """A converted (PT2E fake-quant) graph rounded where the HTP rounds differently, to predict what the .pte computes.
 
 QNN's HTP RmsNorm truncates its quantized output: measured on the x86 emulator (QAIRT 2.49.40), op by op with every
-op fed the emulator's own inputs (the toy decoder of tests/test_quantization.py, 8a8w), each RmsNorm's output code
+op fed the emulator's own inputs (the toy decoder of tests/toy_gemma.py, 8a8w), each RmsNorm's output code
 equals floor(x / scale) + zero_point for 92-98 % of its values and round(...) for only 52-67 %, with or without a
 gamma, on v68 (QCM6490), v69 (SM8450) and v75 (SM8650) alike and at 16 bits too (floor 97-100 %); every other op of
 that decoder (linear, matmul, mask add, softmax, gelu, cat, tanh, mul) rounds (94-100 %). PT2E's quantize rounds to
