@@ -265,3 +265,24 @@ def a16w8_export(demo_model_dir, tmp_path_factory, qnn_sdk):
         return built[mode]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def block4_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
+    """The demo model at 16a4w_block (block 64) with 4-bit embedding tables in groups of 32 (so the CPU side runs
+    `quantized_decomposed::embedding_4bit`), hybrid, context 64, weights not shared, calibrated on 8 paragraphs."""
+    import tiny_gemma4  # on sys.path through the demo_model_dir fixture
+
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.quantization.calibration import CalibrationSource
+
+    out = tmp_path_factory.mktemp("block4")
+    calib = out.parent / "block4-calib.txt"
+    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
+    config = ExportConfig(
+        socs=(Soc.SM8650,), quant=QuantScheme.A16W4_BLOCK, mode=ExportMode.HYBRID, shapes=ShapeConfig(64, 16),
+        embedding_quant=EmbeddingQuant(4, 32), weight_sharing=False,
+    )
+    export(demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8))
+    return out

@@ -12,6 +12,7 @@ import functools
 from pathlib import Path
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
+from optimum_qnn.native_output import quiet_runtime
 from optimum_qnn.runtime.backends.host import InProcessBackend
 from optimum_qnn.runtime.backends.onnxruntime.program import OrtProgram
 
@@ -43,7 +44,8 @@ class OnnxRuntimeBackend(InProcessBackend):
         pte = resolve_inside(variant, manifest.program.path, allowed_root=allowed_root)
         build_id, source = runtime_build_id()
         check_runtime_can_load(manifest.versions.qairt_build_id, build_id, runtime_source=source)
-        self.program = OrtProgram(pte, manifest)
+        with quiet_runtime():  # onnxruntime-qnn and QNN print their set-up lines as the contexts load
+            self.program = OrtProgram(pte, manifest)
         super().__init__(manifest, self.program.methods, _ProgramClock(self.program))
 
 
