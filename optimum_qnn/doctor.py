@@ -2,9 +2,9 @@
 
 Prints the versions of the stack, the QNN libraries in use (path, source, QAIRT build, Hexagon skels), whether
 ExecuTorch's runtime has the QNN backend registered, the SoCs that can be targeted and, with PATH, which exported
-variants under it each backend of this host (`runtime.backends.availability`: ExecuTorch's Python runtime, its C++
-runner) can run, and what is missing for the others. Exits non-zero, with the reason and the fix, when no backend can
-use QNN here.
+variants under it each backend of this host (`runtime.backends.availability`: ExecuTorch's Python runtime,
+onnxruntime-qnn, ExecuTorch's C++ runner) can run, which runtime ``--device host`` uses and why, and what is missing
+for the others. Exits non-zero, with the reason and the fix, when no backend can use QNN here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from optimum_qnn import __version__
 from optimum_qnn.config import Soc
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.program import is_emulator_host
-from optimum_qnn.runtime.backends.availability import Answer, BackendCheck, backend_checks
+from optimum_qnn.runtime.backends.availability import Answer, BackendCheck, backend_checks, onnxruntime_qnn_status
+from optimum_qnn.runtime.backends.device import default_host_runtime
 from optimum_qnn.sdk import QnnSdkError, ensure_qnn_sdk, supported_socs, unsigned_windows_skels
 from optimum_qnn.runtime.backends.soc import HostSoc, detect_host_soc, from_name
 from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
@@ -88,7 +89,7 @@ def judge_variants(path: Path, checks: list[BackendCheck]) -> list[Verdict]:
             f"{manifest.target.soc}, {manifest.quantization.scheme}, weights {'shared' if shared else 'not shared'}, "
             f"QAIRT {manifest.versions.qairt_build_id}"
         )
-        verdicts.append(Verdict(name, description, tuple(check.judge(manifest) for check in checks)))
+        verdicts.append(Verdict(name, description, tuple(check.judge(manifest, folder) for check in checks)))
     return verdicts
 
 
@@ -103,6 +104,18 @@ def _device_soc(adb_serial: str | None, system: str) -> HostSoc | None:
     if not model:
         return HostSoc("", f"adb {adb.serial}: getprop ro.soc.model is empty (Android 12+ sets it)", None)
     return from_name(model, f"adb {adb.serial}: getprop ro.soc.model")
+
+
+def _executorch_backends() -> list[str] | None:
+    """The backends ExecuTorch's runtime registers here, or None when ExecuTorch is not installed."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("executorch") is None:
+            return None
+    except ImportError:
+        return None
+    return registered_backends()
 
 
 def _runner_available() -> bool:
@@ -156,17 +169,26 @@ def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO 
             rows.append(("unsigned", f"HTP {', '.join(f'v{a}' for a in unsigned)}: no libqnnhtpv<arch>.cat beside the skel"))
     _rows(rows, out)
 
-    backends = registered_backends()
-    has_qnn = QNN_BACKEND in backends
+    backends = _executorch_backends()
+    has_qnn = backends is not None and QNN_BACKEND in backends
     print("\nExecuTorch runtime", file=out)
-    _rows([
-        ("backends", ", ".join(backends) or "none"),
-        ("QNN backend", "registered" if has_qnn else "MISSING"),
-        ("QNN runs on", "the x86 HTP emulator (builds without weight sharing)" if is_emulator_host(machine)
-         else "this device's HTP"),
-    ], out)
+    if backends is None:
+        _rows([("installed", "no (the runtime install: in-process runs go through onnxruntime-qnn)")], out)
+    else:
+        _rows([
+            ("backends", ", ".join(backends) or "none"),
+            ("QNN backend", "registered" if has_qnn else "MISSING"),
+            ("QNN runs on", "the x86 HTP emulator (builds without weight sharing)" if is_emulator_host(machine)
+             else "this device's HTP"),
+        ], out)
+    ort = onnxruntime_qnn_status()
+    print("\nonnxruntime-qnn", file=out)
+    _rows([("QNN libraries", ort if isinstance(ort, str) else f"{ort[1]}, QAIRT {ort[0]}")], out)
+    runtime, why = default_host_runtime()
+    print("\nIn-process runs (--device host)", file=out)
+    _rows([("runtime", f"{runtime}: {why}")], out)
 
-    socs = supported_socs()
+    socs = supported_socs() if backends is not None else list(Soc)
     print("\nTargetable SoCs", file=out)
     _rows([(soc.value, soc.description) for soc in socs], out)
 
@@ -188,8 +210,9 @@ def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO 
                 print(f"    {a.backend.ljust(width)}  {'yes' if a.runnable else 'no'}: {a.reason}", file=out)
 
     status = 0
-    if not has_qnn:  # a failure only when no other backend (ExecuTorch's runner) can stand in for it here
+    if backends is not None and not has_qnn:
         print(f"\nQNN backend: MISSING\n  {qnn_backend_missing_message(backends, machine, system)}", file=err)
+    if not has_qnn and isinstance(ort, str):  # neither in-process runtime: only ExecuTorch's runner can stand in
         if adb_serial is None and not _runner_available():
             status = 1
         else:

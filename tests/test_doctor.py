@@ -91,6 +91,12 @@ def test_doctor_reports_libraries_backend_and_runnable_artifacts(run_python, art
         "no: This model was compiled with QAIRT 2.50 (v2.50.0.261101000000) but the QNN runtime here is QAIRT 2.49"
     )
     assert "set QNN_SDK_ROOT to a QAIRT 2.50+ SDK" in verdict["newer/qnn/sm8650/16a8w-ctx64"]
+    # onnxruntime-qnn answers for its own libraries, by the same rules.
+    ort = _ort_verdicts(out, artifacts)
+    assert ort["emulator/qnn/sm8650/16a8w-ctx64"] == "yes: on the x86 HTP emulator through onnxruntime-qnn==2.5.0"
+    assert ort["qnn/sm8650/16a8w-ctx64"].startswith("no: weight-shared: the x86 HTP emulator cannot load it")
+    assert ort["newer/qnn/sm8650/16a8w-ctx64"].startswith("no: This model was compiled with QAIRT 2.50")
+    assert "runtime  executorch: ExecuTorch here has its QNN backend" in out
 
 
 def _answers(out: str, artifacts) -> dict[str, dict[str, str]]:
@@ -107,16 +113,22 @@ def _answers(out: str, artifacts) -> dict[str, dict[str, str]]:
 
 
 def _host_verdicts(out: str, artifacts) -> dict[str, str]:
-    return {variant: backends["host"] for variant, backends in _answers(out, artifacts).items()}
+    return {variant: backends["host:executorch"] for variant, backends in _answers(out, artifacts).items()}
+
+
+def _ort_verdicts(out: str, artifacts) -> dict[str, str]:
+    return {variant: backends["host:onnxruntime"] for variant, backends in _answers(out, artifacts).items()}
 
 
 def test_doctor_without_the_qnn_backend_prints_the_fix(run_python, artifacts):
     result = run_python("-c", _DOCTOR_WITHOUT_QNN_BACKEND, str(artifacts))
-    assert result.returncode == 1, result.stdout + result.stderr
-    print(result.stdout, result.stderr)
+    # onnxruntime-qnn stands in for the in-process runs: not a failure, but the fix is printed.
+    assert result.returncode == 0, result.stdout + result.stderr
     assert "QNN backend  MISSING" in result.stdout
-    assert f"Artifacts under {artifacts}: 0 of 3 can run here" in result.stdout
+    assert "runtime  onnxruntime: ExecuTorch here has no QNN backend (registered: " in result.stdout
+    assert f"Artifacts under {artifacts}: 1 of 3 can run here" in result.stdout
     assert result.stdout.count("no: this ExecuTorch has no QNN backend (the fix is below)") == 3
+    assert _ort_verdicts(result.stdout, artifacts)["emulator/qnn/sm8650/16a8w-ctx64"].startswith("yes: ")
     answers = _answers(result.stdout, artifacts)
     assert all(a["runner"].startswith("no: ") for a in answers.values()), answers  # $QNN_LLAMA_RUNNER is unset
     assert "QNN backend: MISSING" in result.stderr
@@ -137,18 +149,20 @@ def test_on_a_board_without_the_python_qnn_backend_the_runner_backend_answers_pe
     (runner.parent / "libqnn_executorch_backend.so").write_bytes(b"")
     monkeypatch.setenv("QNN_LLAMA_RUNNER", str(runner))
     checks = backend_checks(qnn_sdk, [], machine="aarch64", system="Linux", soc=Soc.SM8650)
-    assert [c.name for c in checks] == ["host", "runner"]
+    assert [c.name for c in checks] == ["host:executorch", "host:onnxruntime", "runner"]
     verdicts = {v.variant: v for v in doctor.judge_variants(artifacts, checks)}
     phone = verdicts["qnn/sm8650/16a8w-ctx64"]
-    assert [(a.backend, a.runnable) for a in phone.answers] == [("host", False), ("runner", True)]
-    assert phone.runnable and str(runner) in phone.reason and "no QNN backend" in phone.answers[0].reason
-    newer = verdicts["newer/qnn/sm8650/16a8w-ctx64"]  # the runner loads this machine's QNN libraries too
-    assert not newer.runnable and "QAIRT 2.50" in newer.answers[1].reason
+    assert [(a.backend, a.runnable) for a in phone.answers] == [
+        ("host:executorch", False), ("host:onnxruntime", True), ("runner", True)]
+    assert str(runner) in phone.answers[2].reason and "no QNN backend" in phone.answers[0].reason
+    newer = verdicts["newer/qnn/sm8650/16a8w-ctx64"]  # both load QAIRT 2.49 libraries: onnxruntime-qnn's, this machine's
+    assert not newer.runnable and all("QAIRT 2.50" in a.reason for a in newer.answers[1:])
     other = backend_checks(qnn_sdk, [], machine="aarch64", system="Linux", soc=Soc.SM8750)
-    answer = other[1].judge(doctor_manifest(artifacts / "qnn/sm8650/16a8w-ctx64"))
-    assert not answer.runnable and "export it with --soc SM8750" in answer.reason
+    for check in other[1:]:
+        answer = check.judge(doctor_manifest(artifacts / "qnn/sm8650/16a8w-ctx64"))
+        assert not answer.runnable and "export it with --soc SM8750" in answer.reason
     monkeypatch.delenv("QNN_LLAMA_RUNNER")
-    answer = checks[1].judge(doctor_manifest(artifacts / "qnn/sm8650/16a8w-ctx64"))
+    answer = checks[2].judge(doctor_manifest(artifacts / "qnn/sm8650/16a8w-ctx64"))
     assert not answer.runnable and "No qnn_llama_runner given" in answer.reason
 
 
@@ -195,3 +209,18 @@ def _facts(manifest):
 
     return ProgramFacts("0" * 64, ("kv_forward",), manifest.contract.weight_sharing, manifest.contract.shards,
                         manifest.versions.qairt_build_id)
+
+
+def test_doctor_on_the_runtime_install_answers_through_onnxruntime(run_python, artifacts):
+    """No torch, ExecuTorch or transformers importable: doctor still reports, and onnxruntime-qnn runs the variants."""
+    from tests.test_runtime_install import run_without_exporter_stack
+
+    result = run_without_exporter_stack(
+        "from optimum_qnn.__main__ import main\n"
+        f"sys.exit(main(['doctor', {str(artifacts)!r}]))\n", run_python)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "installed  no (the runtime install: in-process runs go through onnxruntime-qnn)" in result.stdout
+    assert "runtime  onnxruntime: ExecuTorch is not installed (the runtime install)" in result.stdout
+    answers = _answers(result.stdout, artifacts)
+    assert answers["emulator/qnn/sm8650/16a8w-ctx64"]["host:onnxruntime"].startswith("yes: ")
+    assert answers["emulator/qnn/sm8650/16a8w-ctx64"]["host:executorch"].startswith("no: ExecuTorch is not installed")

@@ -3,13 +3,14 @@
 Why a list of backends: a variant that ExecuTorch's Python runtime cannot run here (an aarch64 board whose executorch
 wheel has no QNN backend) may still run on ExecuTorch's C++ runner (``--device runner``), so a single yes/no was
 wrong. Each `BackendCheck` answers for one backend, "can run" or "why not"; a new backend (an onnxruntime one) is one
-more class in `backend_checks`' list. The checks read files and versions only: nothing is loaded or run.
+more class in `backend_checks`' list (`OnnxRuntimeCheck` is one). The checks read files and versions only: nothing is loaded or run.
 """
 
 from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from optimum_qnn.program import is_emulator_host
@@ -29,7 +30,7 @@ class Answer:
 class BackendCheck(Protocol):
     name: str
 
-    def judge(self, manifest: Any) -> Answer: ...
+    def judge(self, manifest: Any, folder: Any = None) -> Answer: ...
 
 
 def _target_problem(manifest: Any, machine: str, soc: Any) -> str | None:
@@ -61,19 +62,72 @@ def _where(machine: str) -> str:
 
 @dataclass(frozen=True)
 class HostCheck:
-    """``--device host``: ExecuTorch's Python runtime in this process, with its QNN backend."""
+    """``--device host:executorch``: ExecuTorch's Python runtime in this process, with its QNN backend."""
 
     sdk: QnnSdk | None
-    backends: tuple[str, ...]
+    backends: tuple[str, ...] | None  # None: ExecuTorch is not installed
     machine: str
     soc: Any = None
-    name: str = "host"
+    name: str = "host:executorch"
 
-    def judge(self, manifest: Any) -> Answer:
+    def judge(self, manifest: Any, folder: Any = None) -> Answer:
+        if self.backends is None:
+            return Answer(self.name, False, "ExecuTorch is not installed (pip install \"optimum-qnn[export]\" adds it)")
         if QNN_BACKEND not in self.backends:
             return Answer(self.name, False, "this ExecuTorch has no QNN backend (the fix is below)")
         why = _target_problem(manifest, self.machine, self.soc) or _qairt_problem(manifest, self.sdk)
         return Answer(self.name, why is None, why or _where(self.machine))
+
+
+@dataclass(frozen=True)
+class OnnxRuntimeCheck:
+    """``--device host:onnxruntime``: onnxruntime-qnn in this process (its own QNN libraries, no ExecuTorch)."""
+
+    machine: str
+    soc: Any = None
+    name: str = "host:onnxruntime"
+
+    def judge(self, manifest: Any, folder: Any = None) -> Answer:
+        status = onnxruntime_qnn_status()
+        if isinstance(status, str):
+            return Answer(self.name, False, status)
+        build_id, source = status
+        why = _target_problem(manifest, self.machine, self.soc)
+        if why is None:
+            try:
+                check_runtime_can_load(manifest.versions.qairt_build_id, build_id, runtime_source=source)
+            except QnnSdkError as e:
+                why = str(e)
+        if why is None and folder is not None and (Path(folder) / manifest.program.path).is_file():
+            # The CPU side of the program, read from the file (no QNN load): an op it has no kernel for is named.
+            from optimum_qnn.artifacts.manifest import resolve_inside
+            from optimum_qnn.errors import OptimumQnnError
+            from optimum_qnn.runtime.backends.onnxruntime.backend import check_runnable
+
+            try:
+                check_runnable(resolve_inside(folder, manifest.program.path))
+            except (OptimumQnnError, OSError) as e:
+                why = str(e)
+        return Answer(self.name, why is None, why or f"{_where(self.machine)} through {source}")
+
+
+def onnxruntime_qnn_status() -> tuple[str, str] | str:
+    """(QAIRT build id, package) of this machine's onnxruntime-qnn, or why it cannot serve here."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("onnxruntime_qnn") is not None and importlib.util.find_spec("onnxruntime")
+    except ImportError:
+        found = False
+    if not found:
+        return "onnxruntime-qnn is not installed: pip install onnxruntime-qnn==2.5.0 (it comes with optimum-qnn)"
+    from optimum_qnn.runtime.backends.device import DeviceError
+    from optimum_qnn.runtime.backends.onnxruntime.backend import runtime_build_id
+
+    try:
+        return runtime_build_id()
+    except (DeviceError, OSError) as e:
+        return f"onnxruntime-qnn's HTP library cannot be read: {e}"
 
 
 @dataclass(frozen=True)
@@ -87,7 +141,7 @@ class RunnerCheck:
     runner: str | None = None
     name: str = "runner"
 
-    def judge(self, manifest: Any) -> Answer:
+    def judge(self, manifest: Any, folder: Any = None) -> Answer:
         from optimum_qnn.runtime.backends.bundle import find_backend_library, find_runner
         from optimum_qnn.runtime.backends.device import DeviceError
 
@@ -113,7 +167,7 @@ class AdbCheck:
     runner: str | None = None
     name: str = "adb"
 
-    def judge(self, manifest: Any) -> Answer:
+    def judge(self, manifest: Any, folder: Any = None) -> Answer:
         from optimum_qnn.runtime.backends.bundle import find_runner
         from optimum_qnn.runtime.backends.device import DeviceError
 
@@ -129,11 +183,12 @@ class AdbCheck:
         return Answer(self.name, True, f"{found} on the phone {self.serial}")
 
 
-def backend_checks(sdk: QnnSdk | None, backends: list[str], *, machine: str | None = None, system: str | None = None,
+def backend_checks(sdk: QnnSdk | None, backends: list[str] | None, *, machine: str | None = None, system: str | None = None,
                    soc: Any = None, adb: tuple[str, Any] | None = None) -> list[BackendCheck]:
     """The backends of this machine (host, runner) or, with ``adb`` (serial, its SoC), of that phone."""
     machine = machine or platform.machine()
     system = system or platform.system()
     if adb is not None:
         return [AdbCheck(adb[1], adb[0])]
-    return [HostCheck(sdk, tuple(backends), machine, soc), RunnerCheck(sdk, machine, system, soc)]
+    return [HostCheck(sdk, None if backends is None else tuple(backends), machine, soc),
+            OnnxRuntimeCheck(machine, soc), RunnerCheck(sdk, machine, system, soc)]
