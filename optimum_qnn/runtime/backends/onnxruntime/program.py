@@ -228,6 +228,12 @@ class OrtProgram:
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # the QNN EP logs every graph it loads at warning level
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        # The whole graph is one QNN node: onnxruntime's own CPU thread pool has nothing to do, and its threads
+        # spinning after each run would take cores from the HTP emulator's threads (2-core hosts).
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         if share:
             options.add_session_config_entry("ep.share_ep_contexts", "1")
         options.add_provider_for_devices(qnn_ep_devices(), {"backend_path": str(htp_backend_path())})
