@@ -2,7 +2,8 @@
 prefill), load time and peak RSS, one runtime after the other in one run.
 
 Each runtime runs in its own child process, so neither shares the other's peak RSS (VmHWM of that process) or its
-loaded libraries; both get the same inputs (random runner-contract inputs, seed 0) and the table says whether their
+loaded libraries; a last child runs both, one call of each in turn, for per-call times under the same load (the
+fairest ratio on a shared host). All get the same inputs (random runner-contract inputs, seed 0) and the table says whether their
 outputs were byte-identical. The variant is the demo model exported as `make demo` does (16a8w hybrid, SM8650,
 context 128, prefill 16, asymmetric 8-bit tables), built once into --work, or given with --variant.
 
@@ -109,6 +110,38 @@ def child(runtime: str, variant: Path, calls: dict[str, int]) -> dict:
     return result
 
 
+def interleaved(variant: Path, calls: dict[str, int]) -> dict:
+    """Both runtimes in one process (ExecuTorch loaded first), one call of each in turn: both see the same load,
+    which on a shared host moves more between two processes than the runtimes differ."""
+    import torch
+
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.program import LoadedProgram, ProgramFacts
+    from optimum_qnn.runtime.backends.onnxruntime import OrtProgram
+    from optimum_qnn.sdk import ensure_qnn_sdk
+
+    ensure_qnn_sdk()
+    manifest = read_manifest(variant)
+    loaded = LoadedProgram.get(variant / "model.pte", ProgramFacts.of(manifest))
+    program = OrtProgram(variant / "model.pte", manifest)
+    result = {}
+    for name, n in calls.items():
+        args = _inputs(manifest, name)
+        tensors = [torch.from_numpy(x) for x in args]
+        et_call, ort_call = loaded.methods[name].execute, program.methods[name]
+        et_call(tensors), ort_call(args)  # warm-up
+        et_times, ort_times = [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            et_call(tensors)
+            et_times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            ort_call(args)
+            ort_times.append(time.perf_counter() - t)
+        result[name] = {"executorch_s": statistics.median(et_times), "onnxruntime_s": statistics.median(ort_times)}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", type=Path, help="a variant folder (manifest.json + model.pte)")
@@ -116,10 +149,13 @@ def main() -> None:
     parser.add_argument("--decode-calls", type=int, default=30)
     parser.add_argument("--prefill-calls", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; each runtime keeps its best")
-    parser.add_argument("--child", choices=RUNTIMES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=(*RUNTIMES, "interleaved"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     calls = {"kv_forward": args.decode_calls, "prefill_forward": args.prefill_calls}
+    if args.child == "interleaved":
+        print(json.dumps(interleaved(args.variant, calls)))
+        return
     if args.child:
         print(json.dumps(child(args.child, args.variant, calls)))
         return
@@ -131,15 +167,18 @@ def main() -> None:
     best: dict[str, dict] = {}
     # One after the other, each in its own process, alternating for --rounds rounds: on a shared host the load
     # changes by the minute, so each runtime keeps its fastest round (per method: the round's median call).
-    for runtime in [r for _ in range(args.rounds) for r in RUNTIMES]:
+    def run_child(mode: str) -> dict:
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", runtime, "--variant", str(variant),
+            [sys.executable, __file__, "--child", mode, "--variant", str(variant),
              "--decode-calls", str(args.decode_calls), "--prefill-calls", str(args.prefill_calls)],
             capture_output=True, text=True, cwd=REPO,
         )
         if proc.returncode != 0:
-            sys.exit(f"{runtime} child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+            sys.exit(f"{mode} child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    for runtime in [r for _ in range(args.rounds) for r in RUNTIMES]:
+        row = run_child(runtime)
         kept = best.setdefault(runtime, row)
         for name, m in row["methods"].items():
             if m["median_s"] < kept["methods"][name]["median_s"]:
@@ -156,10 +195,14 @@ def main() -> None:
     print(f"{'load s':<26}{ort['load_s']:>13.2f}{et['load_s']:>13.2f}{ort['load_s'] / et['load_s']:>9.2f}")
     print(f"{'peak RSS MB':<26}{ort['peak_rss_mb']:>13.0f}{et['peak_rss_mb']:>13.0f}"
           f"{ort['peak_rss_mb'] / et['peak_rss_mb']:>9.2f}")
+    mixed = run_child("interleaved")
+    for name, label in (("kv_forward", "decode, interleaved"), ("prefill_forward", "prefill, interleaved")):
+        a, b = mixed[name]["onnxruntime_s"], mixed[name]["executorch_s"]
+        print(f"{label:<26}{a:>13.4f}{b:>13.4f}{a / b:>9.2f}")
     same = all(ort["methods"][n]["sha256"] == et["methods"][n]["sha256"] for n in calls)
     print(f"outputs byte-identical: {same}")
     if args.json:
-        args.json.write_text(json.dumps({"variant": str(variant), "rows": rows, "identical": same}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"variant": str(variant), "rows": rows, "interleaved": mixed, "identical": same}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
