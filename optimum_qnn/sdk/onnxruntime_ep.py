@@ -108,13 +108,3 @@ def qnn_ep_devices() -> list[Any]:
                 )
             _devices = devices
     return _devices
-
-
-def qnn_system():
-    """The QNN System library of onnxruntime-qnn (reads context binaries' graph names and tensors), loaded without
-    torch: `protect_unwinder` runs first, which makes that safe."""
-    from optimum_qnn.artifacts.inspection.qnn_system import QnnSystem
-
-    protect_unwinder()
-    system = "QnnSystem.dll" if os.name == "nt" else "libQnnSystem.so"
-    return QnnSystem(package_dir() / system, import_torch=False)

@@ -132,7 +132,7 @@ def read_plans(data: bytes | memoryview, where: str = ".pte") -> dict[str, Execu
 
 
 def _plans(data: bytes | memoryview) -> dict[str, ExecutionPlan]:
-    buf = data if isinstance(data, bytes) else data  # _Table reads with struct, which takes either
+    buf = data  # bytes or a mapped file: _Table reads with struct, which takes either
     program = _Table(buf, struct.unpack_from("<I", buf, 0)[0])
     segment_base = struct.unpack_from("<Q", buf, 24)[0] if bytes(buf[8:12]) == b"eh00" else 0
     segments = [(s.scalar(0, "Q"), s.scalar(1, "Q")) for s in program.tables(_PROGRAM_SEGMENTS)]

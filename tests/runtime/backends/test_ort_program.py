@@ -161,3 +161,13 @@ def test_several_variants_in_one_process(random_kv_export, a16w8_export, fp16_ex
     inputs = contract_inputs(read_manifest(first), "kv_forward", 3)
     ours = programs[0].methods["kv_forward"](inputs)
     assert all(same_bytes(a, b) for a, b in zip(ours, executorch_outputs(first, "kv_forward", inputs)))
+
+
+def test_asymmetric_4bit_tables_identical(asym4_kv_export):
+    """Asymmetric tables: the zero points are subtracted in float32 before the scale, as ExecuTorch's kernel does."""
+    from optimum_qnn.artifacts.inspection.pte_plan import read_plans
+
+    (folder,) = variant_dirs(asym4_kv_export)
+    plan = read_plans((folder / "model.pte").read_bytes())["kv_forward"]
+    assert any(v is not None for v in (plan.values[s.args[2]] for s in plan.instructions if hasattr(s, "op")))
+    _assert_identical(folder, {"quantized_decomposed::embedding_4bit.dtype_out"})

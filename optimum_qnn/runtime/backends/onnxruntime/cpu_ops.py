@@ -19,11 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from optimum_qnn.errors import InvalidInputError
+
 Kernel = Callable[[list, Sequence[int]], None]
-
-# ExecuTorch ScalarType codes that a `dtype` argument may carry.
-_SCALAR_DTYPES = {5: np.float16, 6: np.float32}
-
 
 def _dequantized_rows(rows: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, out_dtype) -> np.ndarray:
     """`rows` [n, dim] of integer weights -> [n, dim] of `out_dtype`, grouped as `scales` [n, groups] says."""
@@ -40,7 +38,8 @@ def _lookup(indices: np.ndarray, table_rows: int) -> np.ndarray:
     flat = indices.reshape(-1)
     if flat.size and (flat.min() < 0 or flat.max() >= table_rows):
         bad = flat[(flat < 0) | (flat >= table_rows)][0]
-        raise IndexError(f"token id {bad} is outside the embedding table's {table_rows} rows")
+        # ExecuTorch's kernel aborts the process here (ET_CHECK); a caller gets an error instead.
+        raise InvalidInputError(f"token id {bad} is outside the embedding table's {table_rows} rows")
     return flat
 
 

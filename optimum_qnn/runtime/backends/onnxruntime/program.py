@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from optimum_qnn.artifacts.inspection.pte_plan import DelegateCall, ExecutionPlan, KernelCall, TensorValue, read_plans
-from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, TensorInfo
+from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, QnnSystem, TensorInfo
 from optimum_qnn.program import check_pte_structure, host_can_run
-from optimum_qnn.runtime.backends.onnxruntime import cpu_ops
-from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, protect_unwinder, qnn_ep_devices, qnn_system
+from optimum_qnn.runtime.backends.onnxruntime.cpu_ops import KERNELS, missing_kernels, output_spec
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
+from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, package_dir, protect_unwinder, qnn_ep_devices
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class _Method:
         if isinstance(value, TensorValue):
             if value.constant is not None:
                 return np.frombuffer(value.constant, dtype=value.dtype).reshape(value.sizes)
-            return cpu_ops.output_spec(value)
+            return output_spec(value)
         return value
 
     def __call__(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -183,7 +184,7 @@ class OrtProgram:
             specs = specs_by_method[name]
             steps = [
                 graph_calls[name, step.delegate] if isinstance(step, DelegateCall)
-                else (cpu_ops.KERNELS[plan.operators[step.op]], step.args)
+                else (KERNELS[plan.operators[step.op]], step.args)
                 for step in plan.instructions
             ]
             self.methods[name] = _Method(self, plan, steps, specs)
@@ -193,7 +194,7 @@ class OrtProgram:
 
     def _load_graphs(self, plans: list[ExecutionPlan]) -> dict[tuple[str, int], _GraphCall]:
         """One session per (method, QNN delegate); each context binary loaded once."""
-        system = qnn_system()
+        system = _qnn_system()
         by_context: dict[str, list[tuple[ExecutionPlan, int]]] = {}
         for plan in plans:
             for index in sorted(plan.qnn):
@@ -228,6 +229,12 @@ class OrtProgram:
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # the QNN EP logs every graph it loads at warning level
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        # The whole graph is one QNN node: onnxruntime's own CPU thread pool has nothing to do, and its threads
+        # spinning after each run would take cores from the HTP emulator's threads (2-core hosts).
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         if share:
             options.add_session_config_entry("ep.share_ep_contexts", "1")
         options.add_provider_for_devices(qnn_ep_devices(), {"backend_path": str(htp_backend_path())})
@@ -262,6 +269,13 @@ class OrtProgram:
         self._sessions.clear()
 
 
+def _qnn_system() -> QnnSystem:
+    """onnxruntime-qnn's QNN System library (reads each context's graph names and tensors), loaded without torch:
+    `protect_unwinder` has run, which makes loading a QNN library before torch safe."""
+    protect_unwinder()
+    return QnnSystem(package_dir() / ("QnnSystem.dll" if os.name == "nt" else "libQnnSystem.so"), import_torch=False)
+
+
 def _check_plan(plan: ExecutionPlan, where: str) -> None:
     """Refuse at load what this backend cannot run, naming it."""
     for step in plan.instructions:
@@ -275,10 +289,10 @@ def _check_plan(plan: ExecutionPlan, where: str) -> None:
                 "backend cannot run (it runs QnnBackend delegates only); run it with the ExecuTorch backend"
             )
     used = [s.op for s in plan.instructions if isinstance(s, KernelCall)]
-    missing = cpu_ops.missing_kernels(plan.operators, used)
+    missing = missing_kernels(plan.operators, used)
     if missing:
         raise OrtBackendError(
             f"{where} method {plan.name} runs {', '.join(missing)} on the CPU, which the onnxruntime backend has no "
-            f"kernel for (it has: {', '.join(sorted(cpu_ops.KERNELS))}). Run this variant with the ExecuTorch "
+            f"kernel for (it has: {', '.join(sorted(KERNELS))}). Run this variant with the ExecuTorch "
             "backend (device='host'), or re-export it so that op is delegated to QNN."
         )
