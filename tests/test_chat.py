@@ -53,7 +53,7 @@ def chat_model(request):
 
 def _conversation(model, tokenizer, turns):
     """Send ``turns`` through one session; then check each turn against a full prefill of its whole prompt."""
-    model.clear_cache()  # a shared model's caches may hold another test's prompt: its BOS would be reused
+    model.clear_cache()  # the model is shared with other test files: nothing they left in its caches is reused
     chat = model.chat(tokenizer=tokenizer, max_new_tokens=REPLY_TOKENS)
     prompts, replies, stats = [], [], []
     for text in turns:
