@@ -13,6 +13,7 @@ from pathlib import Path
 
 from optimum_qnn.config import (
     BLOCK_SIZES,
+    CacheLayout,
     EmbeddingQuant,
     ExportConfig,
     ExportMode,
@@ -89,6 +90,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                      help="hybrid: prefill + decode methods in one .pte; kv: decode only (default: %(default)s)")
     opt.add_argument("--max-seq-len", type=int, default=_DEFAULTS.shapes.max_seq_len, help="context length C (default: %(default)s)")
     opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
+    opt.add_argument("--cache-layout", default=_DEFAULTS.shapes.cache_layout.value, choices=[c.value for c in CacheLayout],
+                     help="full: every KV cache holds C - ar slots (what ExecuTorch's C++ qnn_llama_runner reads); ring: "
+                          "sliding-window layers keep only their window (a ring buffer), so each call moves fewer cache "
+                          "bytes; for optimum-qnn's own runtimes, refused by the C++ runner (default: %(default)s)")
     opt.add_argument("--no-weight-sharing", action="store_true",
                      help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
     opt.add_argument("--check-weight-sharing", action="store_true",
@@ -157,7 +162,8 @@ def config_from_args(args: argparse.Namespace, scheme: str | None = None) -> Exp
         **{**fields, "block_size": args.block_size},
         socs=tuple(dict.fromkeys(Soc.parse(s) for s in args.soc)),
         mode=ExportMode.parse(args.mode),
-        shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len),
+        shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len,
+                           cache_layout=CacheLayout.parse(args.cache_layout)),
         embedding_quant=None if args.embedding_quant is None else EmbeddingQuant.parse(args.embedding_quant),
         weight_sharing=not args.no_weight_sharing,
         float_io=args.float_io,

@@ -10,6 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from optimum_qnn.contract import CacheLayout  # re-exported beside the other choices of an export
 from optimum_qnn.errors import InvalidInputError, parse_enum
 from optimum_qnn.socs import Soc, check_supported  # Soc re-exported: config holds every choice of an export
 
@@ -252,10 +253,13 @@ class ShapeConfig:
     Args:
         max_seq_len: total context length C (past tokens + the tokens of one call).
         prefill_ar_len: tokens per prefill call (hybrid mode); decode always takes 1.
+        cache_layout: ``full`` (every cache ``C - ar`` slots: what ExecuTorch's C++ runner reads) or ``ring``
+            (sliding layers keep ``sliding_window`` slots; for this project's own runtimes).
     """
 
     max_seq_len: int = 1024
     prefill_ar_len: int = 128
+    cache_layout: CacheLayout = CacheLayout.FULL
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_seq_len, int) or not isinstance(self.prefill_ar_len, int):
@@ -269,6 +273,10 @@ class ShapeConfig:
         if self.max_seq_len < 2:
             raise InvalidInputError(
                 f"max_seq_len must be at least 2 (a cache of max_seq_len - 1 tokens plus the current one); got {self.max_seq_len}"
+            )
+        if not isinstance(self.cache_layout, CacheLayout):
+            raise InvalidInputError(
+                f"cache_layout must be a CacheLayout (CacheLayout.parse('ring')); got {self.cache_layout!r}"
             )
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from optimum_qnn.errors import parse_enum
 from optimum_qnn.ops.arrays import as_numpy, like
 from optimum_qnn.ops.mask import MASK_MIN
 
@@ -25,6 +26,23 @@ DECODE_METHOD = "kv_forward"
 class AttentionKind(enum.Enum):
     SLIDING = "sliding_attention"
     FULL = "full_attention"
+
+
+class CacheLayout(enum.Enum):
+    """How the sliding-window layers keep their K/V between calls.
+
+    ``full``: every cache-owning layer has ``C - ar`` slots, slot j holding position j (ExecuTorch's layout: its
+    ``qnn_llama_runner`` reads exactly this). ``ring``: a sliding layer has ``sliding_window`` slots, position p in
+    slot ``p % sliding_window``; it never reads further back than its window, so the rest of a full-length cache
+    only crossed the host on every call. Full-attention layers keep ``C - ar`` slots in both layouts.
+    """
+
+    FULL = "full"
+    RING = "ring"
+
+    @classmethod
+    def parse(cls, value: object) -> "CacheLayout":
+        return parse_enum(cls, value, "cache layout")
 
 
 @dataclass(frozen=True)
@@ -89,8 +107,9 @@ class MethodSpec:
 
     @property
     def cache_len(self) -> int:
-        """Cache slots this method's K/V inputs hold (context_len - ar_len)."""
-        return next(t.shape[-1] for t in self.inputs if t.name.startswith("k_cache_"))
+        """Slots of this method's full-length caches (context_len - ar_len): how many tokens may precede a call. A
+        ring cache of a sliding layer is shorter (`RunnerContract.ring_len`)."""
+        return self.inputs[1].shape[-1] - self.ar_len
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,9 @@ class RunnerContract:
     ``input_pos`` int32 [1, ar]; one ``k_cache_{i}`` [1, kv_heads, head_dim, C - ar] per cache-owning layer i
     (K stored transposed); one ``v_cache_{i}`` [1, kv_heads, C - ar, head_dim] per cache-owning layer.
     Outputs: ``logits`` [1, ar, vocab]; ``k_new_{i}`` [1, kv_heads, head_dim, ar]; ``v_new_{i}`` [1, kv_heads, ar, head_dim].
+
+    With ``cache_layout`` ring, a sliding layer's caches hold ``ring_len`` (= sliding_window) slots instead of
+    ``C - ar``, and ``sliding_atten_mask`` is ``[1, 1, ar, ring_len + ar]`` (ring slots, then the call's own tokens).
     """
 
     context_len: int
@@ -111,6 +133,7 @@ class RunnerContract:
     mask_attend: float = 0.0
     mask_masked: float = MASK_MIN
     extra: dict[str, Any] = field(default_factory=dict)
+    cache_layout: CacheLayout = CacheLayout.FULL
 
     @classmethod
     def build(
@@ -121,12 +144,25 @@ class RunnerContract:
         context_len: int,
         ar_lens: dict[str, int],
         sliding_window: int | None,
+        cache_layout: CacheLayout = CacheLayout.FULL,
     ) -> "RunnerContract":
         """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call."""
+        ring = check_ring(cache_layout, layers, context_len, sliding_window)
         methods = tuple(
-            _method_spec(name, ar, layers, vocab_size, context_len) for name, ar in ar_lens.items()
+            _method_spec(name, ar, layers, vocab_size, context_len, ring) for name, ar in ar_lens.items()
         )
-        return cls(context_len, vocab_size, sliding_window, layers, methods)
+        return cls(context_len, vocab_size, sliding_window, layers, methods, cache_layout=cache_layout)
+
+    @property
+    def ring_len(self) -> int | None:
+        """Slots of a sliding layer's ring cache (the window), or None in the full layout."""
+        return self.sliding_window if self.cache_layout is CacheLayout.RING else None
+
+    def cache_slots(self, layer: LayerSpec, method: str = DECODE_METHOD) -> int:
+        """Slots of ``layer``'s caches in ``method``: the ring's for a sliding layer of a ring layout, else C - ar."""
+        if self.ring_len is not None and layer.attention is AttentionKind.SLIDING:
+            return self.ring_len
+        return self.method(method).cache_len
 
     @property
     def cache_layers(self) -> tuple[LayerSpec, ...]:
@@ -170,7 +206,7 @@ class RunnerContract:
         """Inputs of ``method`` for an empty cache: zero caches, position 0.., masks for n_past=0."""
         import torch
 
-        from optimum_qnn.ops.mask import attention_mask
+        from optimum_qnn.ops.mask import attention_mask, ring_mask
 
         spec = self.method(method)
         ar = spec.ar_len
@@ -180,6 +216,8 @@ class RunnerContract:
                 tensors.append(torch.zeros(t.shape, dtype=torch.int64))
             elif t.name == "atten_mask":
                 tensors.append(torch.from_numpy(attention_mask(ar, self.context_len, 0)))
+            elif t.name == "sliding_atten_mask" and self.ring_len is not None:
+                tensors.append(torch.from_numpy(ring_mask(ar, self.ring_len, 0, window=self.sliding_window)))
             elif t.name == "sliding_atten_mask":
                 tensors.append(torch.from_numpy(attention_mask(ar, self.context_len, 0, window=self.sliding_window)))
             elif t.name == "input_pos":
@@ -192,6 +230,7 @@ class RunnerContract:
         d = asdict(self)
         for layer in d["layers"]:
             layer["attention"] = layer["attention"].value
+        d["cache_layout"] = self.cache_layout.value
         return d
 
     @classmethod
@@ -209,6 +248,8 @@ class RunnerContract:
         return cls(
             d["context_len"], d["vocab_size"], d["sliding_window"], layers, methods,
             d.get("mask_attend", 0.0), d.get("mask_masked", MASK_MIN), dict(d.get("extra", {})),
+            # Manifests written before the ring layout existed hold full-length caches.
+            CacheLayout(d.get("cache_layout", CacheLayout.FULL.value)),
         )
 
 
@@ -216,19 +257,44 @@ def _tensor_spec(t: dict[str, Any]) -> TensorSpec:
     return TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t.get("scale"), t.get("zero_point"))
 
 
-def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int) -> MethodSpec:
+def check_ring(layout: CacheLayout, layers: tuple[LayerSpec, ...], context_len: int, window: int | None) -> int | None:
+    """The ring length of ``layout`` for these layers (None in the full layout), refusing a ring that cannot help.
+
+    Raises:
+        ValueError: a ring without sliding layers, or whose window is not shorter than the full caches.
+    """
+    if not isinstance(layout, CacheLayout):
+        raise ValueError(f"cache_layout must be a CacheLayout; got {layout!r}")
+    if layout is CacheLayout.FULL:
+        return None
+    if window is None or not any(l.attention is AttentionKind.SLIDING and l.owns_cache for l in layers):
+        raise ValueError("The ring cache layout keeps sliding-window layers' caches at the window; this model has none")
+    if window >= context_len - 1:
+        raise ValueError(
+            f"The ring cache layout gives sliding layers {window} slots (their window), which is not fewer than the "
+            f"{context_len - 1} of a full-length cache at context {context_len}: use the full layout"
+        )
+    return window
+
+
+def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int,
+                 ring: int | None = None) -> MethodSpec:
     if not 0 < ar < context_len:
         raise ValueError(f"ar_len {ar} of method {name} must be in [1, {context_len - 1}]")
-    cache = context_len - ar
     owners = [layer for layer in layers if layer.owns_cache]
+
+    def slots(layer: LayerSpec) -> int:
+        return ring if ring is not None and layer.attention is AttentionKind.SLIDING else context_len - ar
+
+    sliding_cols = ring + ar if ring is not None else context_len
     inputs = [
         TensorSpec("tokens", (1, ar), "int64"),
         TensorSpec("atten_mask", (1, 1, ar, context_len), "float32"),
-        TensorSpec("sliding_atten_mask", (1, 1, ar, context_len), "float32"),
+        TensorSpec("sliding_atten_mask", (1, 1, ar, sliding_cols), "float32"),
         TensorSpec("input_pos", (1, ar), "int32"),
     ]
-    inputs += [TensorSpec(f"k_cache_{l.index}", (1, l.kv_heads, l.head_dim, cache), "float32") for l in owners]
-    inputs += [TensorSpec(f"v_cache_{l.index}", (1, l.kv_heads, cache, l.head_dim), "float32") for l in owners]
+    inputs += [TensorSpec(f"k_cache_{l.index}", (1, l.kv_heads, l.head_dim, slots(l)), "float32") for l in owners]
+    inputs += [TensorSpec(f"v_cache_{l.index}", (1, l.kv_heads, slots(l), l.head_dim), "float32") for l in owners]
     outputs = [TensorSpec("logits", (1, ar, vocab), "float32")]
     outputs += [TensorSpec(f"k_new_{l.index}", (1, l.kv_heads, l.head_dim, ar), "float32") for l in owners]
     outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]

@@ -5,6 +5,10 @@ Caches are preallocated once per generation: one K buffer ``[1, kv, hd, C-1]`` a
 reads the first C-N slots. After each call the host copies the new K/V slices into slots
 ``[n_past, n_past + n)`` and opens those mask columns on the next call ("smart mask": nothing ever shifts).
 
+In the ring cache layout (`CacheLayout.RING`) a sliding layer's buffers hold ``sliding_window`` slots instead: the
+host writes position p into slot ``p % window`` and builds the sliding mask over the ring's columns
+(``ops.mask.ring_mask``); full-attention layers keep the full-length buffers above.
+
 The other inputs (tokens, positions, the two masks) are preallocated per method too. A decode step that follows
 another decode step updates its masks in place (one column opens, and with a sliding window one closes); any other
 call rewrites them from ``ops.mask.attention_mask``.
@@ -20,10 +24,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, AttentionKind, RunnerContract
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 from optimum_qnn.ops.arrays import as_numpy, is_torch, like
-from optimum_qnn.ops.mask import MASK_MIN, attention_mask
+from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask
 
 MethodFn = Callable[[Sequence[np.ndarray]], Sequence[Any]]
 
@@ -62,6 +66,12 @@ class KVSession:
         # copies them unchanged and never dequantizes a cache.
         self.k_bufs = [_zeros(dec_inputs[f"k_cache_{l.index}"]) for l in self.cache_layers]
         self.v_bufs = [_zeros(dec_inputs[f"v_cache_{l.index}"]) for l in self.cache_layers]
+        # Which caches are rings (sliding layers of a ring layout): the same buffer in every method, written at p % R.
+        self.ring_len = contract.ring_len
+        self.is_ring = [self.ring_len is not None and l.attention is AttentionKind.SLIDING for l in self.cache_layers]
+        # The ids whose K/V were written, slot j holding position j: what `truncate` reads again when a ring has
+        # overwritten the window the kept tokens need.
+        self.ids = np.zeros(contract.context_len, dtype=np.int64)
         self.logits_spec = self.decode_spec.outputs[0]
         self.mask_spec = self.decode_spec.inputs[1]
         self.n_past = 0
@@ -85,9 +95,17 @@ class KVSession:
         """Keep the first ``n`` tokens of the context and forget the rest: the next call writes from slot ``n``.
 
         Anywhere is fine, also inside what one prefill call wrote: slots ``>= n`` become stale, and stale slots are
-        never read (the masks of the next call are built for ``n_past = n``)."""
+        never read (the masks of the next call are built for ``n_past = n``). A ring keeps only the last
+        ``ring_len`` positions: when the tokens after ``n`` have overwritten the window the kept ones need, the
+        first ``n`` tokens are fed again (a prefill of ``n`` tokens; the K/V come out the same)."""
         if not 0 <= n <= self.stored:
             raise ValueError(f"Cannot keep {n} tokens: the cache holds {self.stored}")
+        if self.ring_len is not None and max(0, n - self.contract.sliding_window + 1) < self.n_past - self.ring_len:
+            kept = self.ids[:n].copy()
+            self.n_past = 0
+            if n:
+                self.feed(kept)
+            return
         self.n_past = n
 
     def _inputs_of(self, spec) -> "_MethodInputs":
@@ -95,7 +113,8 @@ class KVSession:
         if buffers is None:
             c = self.contract
             buffers = self._method_inputs[spec.name] = _MethodInputs(
-                spec.ar_len, c.context_len, c.sliding_window, self.mask_spec.dtype, c.mask_attend, c.mask_masked
+                spec.ar_len, c.context_len, c.sliding_window, self.mask_spec.dtype, c.mask_attend, c.mask_masked,
+                ring_len=c.ring_len,
             )
         return buffers
 
@@ -108,17 +127,26 @@ class KVSession:
         buffers = self._inputs_of(spec)
         buffers.update(chunk, self.n_past)
         inputs: list[np.ndarray] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
-        inputs += [k[..., :cache_len] for k in self.k_bufs]
-        inputs += [v[:, :, :cache_len, :] for v in self.v_bufs]
+        inputs += [k if ring else k[..., :cache_len] for k, ring in zip(self.k_bufs, self.is_ring)]
+        inputs += [v if ring else v[:, :, :cache_len, :] for v, ring in zip(self.v_bufs, self.is_ring)]
         outputs = self.methods[spec.name](inputs)
         n = len(self.cache_layers)
         lo, hi = self.n_past, self.n_past + n_valid
         # The cache has C - 1 slots: a call that fills the context to C leaves one token whose K/V no later call
         # can read, so it is not stored.
         keep = min(hi, self.contract.context_len - 1) - lo
+        self.ids[lo : lo + keep] = chunk[:keep]
+        # A ring keeps the last ring_len of the new positions, position p in slot p % ring_len.
+        first = max(0, keep - self.ring_len) if self.ring_len is not None else 0
+        ring_slots = (np.arange(lo + first, lo + keep) % self.ring_len) if self.ring_len is not None else None
         for i in range(n):
-            self.k_bufs[i][..., lo : lo + keep] = as_numpy(outputs[1 + i])[..., :keep]
-            self.v_bufs[i][:, :, lo : lo + keep, :] = as_numpy(outputs[1 + n + i])[:, :, :keep, :]
+            k_new, v_new = as_numpy(outputs[1 + i]), as_numpy(outputs[1 + n + i])
+            if self.is_ring[i]:
+                self.k_bufs[i][..., ring_slots] = k_new[..., first:keep]
+                self.v_bufs[i][:, :, ring_slots, :] = v_new[:, :, first:keep, :]
+                continue
+            self.k_bufs[i][..., lo : lo + keep] = k_new[..., :keep]
+            self.v_bufs[i][:, :, lo : lo + keep, :] = v_new[:, :, :keep, :]
         self.n_past = hi
         logits = outputs[0][0, :n_valid]
         return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
@@ -184,13 +212,14 @@ class _MethodInputs:
     Masks hold ``attend`` / ``masked`` (float 0 / `MASK_MIN`, or their quantized values for integer IO)."""
 
     def __init__(self, ar_len: int, context_len: int, window: int | None, mask_dtype: Any = np.float32,
-                 attend: float = 0.0, masked: float = MASK_MIN):
-        self.ar_len, self.context_len, self.window = ar_len, context_len, window
+                 attend: float = 0.0, masked: float = MASK_MIN, *, ring_len: int | None = None):
+        self.ar_len, self.context_len, self.window, self.ring_len = ar_len, context_len, window, ring_len
         self.attend, self.masked = attend, masked
         self.tokens = np.zeros((1, ar_len), dtype=np.int64)
         self.pos = np.zeros((1, ar_len), dtype=np.int32)
         self.mask = np.empty((1, 1, ar_len, context_len), dtype=mask_dtype)
-        self.sliding_mask = np.empty((1, 1, ar_len, context_len), dtype=mask_dtype)
+        sliding_cols = context_len if ring_len is None else ring_len + ar_len
+        self.sliding_mask = np.empty((1, 1, ar_len, sliding_cols), dtype=mask_dtype)
         self._state: tuple[int, int] | None = None  # (n_past, n_valid) the masks describe
 
     def update(self, chunk: np.ndarray, n_past: int) -> None:
@@ -203,7 +232,11 @@ class _MethodInputs:
         elif self._state != (n_past, n_valid):
             ar, ctx = self.ar_len, self.context_len
             self.mask[...] = self._values(attention_mask(ar, ctx, n_past, n_valid=n_valid))
-            self.sliding_mask[...] = self._values(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid))
+            if self.ring_len is None:
+                self.sliding_mask[...] = self._values(attention_mask(ar, ctx, n_past, window=self.window, n_valid=n_valid))
+        if self.ring_len is not None:  # a ring's columns change meaning every call: rebuilt (window + ar columns)
+            ring = ring_mask(self.ar_len, self.ring_len, n_past, window=self.window, n_valid=n_valid)
+            self.sliding_mask[...] = self._values(ring)
         self._state = (n_past, n_valid)
 
     def _values(self, mask: np.ndarray) -> np.ndarray:
@@ -216,6 +249,8 @@ class _MethodInputs:
         """Decode masks of ``n_past - 1`` -> ``n_past``: slot ``n_past - 1`` now holds the previous token."""
         opened = n_past - 1
         self.mask[..., opened] = self.attend
+        if self.ring_len is not None:  # `update` rebuilds the ring's mask
+            return
         if self.window is None:
             self.sliding_mask[..., opened] = self.attend
             return

@@ -151,6 +151,9 @@ class Contract:
     methods: list[Method]
     # QNN delegates per method (context binaries in the .pte); above 1 they hand over through `llama::fallback`.
     shards: int = 1
+    # "full": every cache C - ar slots (ExecuTorch's C++ runner's layout); "ring": sliding layers keep
+    # sliding_window slots, position p in slot p % sliding_window (optimum_qnn.contract.CacheLayout).
+    cache_layout: str = "full"
 
 
 @dataclass(frozen=True)
@@ -428,6 +431,11 @@ def mixed_precision_section(plan) -> MixedPrecision | None:
     return MixedPrecision(plan.budget, plan.high.value, round(plan.kept_share, 4), rows, plan.probes)
 
 
+_FULL_UPDATE = "smart_mask: copy k_new/v_new into slots [n_past, n_past+n) of caches [.., C-1]; nothing shifts"
+_RING_UPDATE = (_FULL_UPDATE + "; sliding layers: a ring of sliding_window slots, k_new/v_new of position p into slot "
+                "p % sliding_window, sliding_atten_mask over the ring's slots then the call's own tokens")
+
+
 def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Contract:
     """The manifest's view of a `RunnerContract`."""
     d = contract.to_dict()
@@ -438,7 +446,7 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Cont
         mask_attend=float(d["mask_attend"]),
         mask_masked=float(d["mask_masked"]),
         rope="tables inside the graph, indexed by input_pos; partial RoPE on full layers is zero-padded",
-        kv_update="smart_mask: copy k_new/v_new into slots [n_past, n_past+n) of caches [.., C-1]; nothing shifts",
+        kv_update=_RING_UPDATE if d["cache_layout"] == "ring" else _FULL_UPDATE,
         weight_sharing=weight_sharing,
         layers=[Layer(**layer) for layer in d["layers"]],
         methods=[
@@ -450,4 +458,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Cont
             for m in d["methods"]
         ],
         shards=shards,
+        cache_layout=d["cache_layout"],
     )

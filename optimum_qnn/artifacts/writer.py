@@ -73,9 +73,11 @@ class ArtifactError(OptimumQnnError):
 
 
 def variant_name(soc: Soc, config: ExportConfig) -> str:
-    """``qnn/<soc>/<quant>-ctx<C>`` (``-kv`` appended for decode-only exports)."""
+    """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` appended for the ring cache layout, then ``-kv`` for decode-only
+    exports): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
     mode = "" if config.mode is ExportMode.HYBRID else "-kv"
-    return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{mode}"
+    layout = "-ring" if config.shapes.cache_layout.value == "ring" else ""
+    return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{layout}{mode}"
 
 
 def atomic_write_text(path: Path, text: str) -> None:

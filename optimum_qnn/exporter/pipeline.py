@@ -280,7 +280,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     with _stage(result, "swap"):
         static = StaticCausalLM.from_hf(
             hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
-            quantized=config.quant.is_quantized,
+            quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout,
         )
         result.swap_summary = static.report.table()
         check_overrides_match(static.module, config)

@@ -77,6 +77,55 @@ def attention_mask(
     return mask.reshape(1, 1, ar_len, context_len)
 
 
+def ring_mask(
+    ar_len: int,
+    ring_len: int,
+    n_past: int,
+    *,
+    window: int,
+    n_valid: int | None = None,
+    dtype: "np.typing.DTypeLike" = np.float32,
+) -> np.ndarray:
+    """The additive sliding-window mask of one call over a ring cache: ``ring_len`` slots, then the call's tokens.
+
+    Position p lives in slot ``p % ring_len``; after ``n_past`` tokens, slot s holds the latest position
+    ``q < n_past`` with ``q % ring_len == s`` (none when ``q < 0``). Row i (position ``n_past + i``) attends to slot s
+    when q exists and ``n_past + i - q < window``, and to its own column c when ``c <= i`` and ``i - c < window``.
+    RoPE was applied to each K at its own position before it was stored, so the slots' order does not matter.
+
+    Example: ring_len=window=3, n_past=4, ar_len=2 (slots hold positions 3, 1, 2; ``x`` attend, ``.`` masked)::
+
+                ring: q=3 q=1 q=2 | new
+        row 0 (p=4):  x   .   x   | x  .
+        row 1 (p=5):  x   .   .   | x  x
+
+    Args:
+        ar_len: tokens per call.
+        ring_len: slots of the ring (at least ``window - 1``, so that every row finds its window).
+        n_past: tokens already written, the last ``ring_len`` of them in the ring.
+        window: sliding-window size (a token sees itself and the ``window - 1`` tokens before it).
+        n_valid: rows beyond this count are padding; their columns stay closed.
+        dtype: floating numpy dtype of the result.
+
+    Returns:
+        A ``[1, 1, ar_len, ring_len + ar_len]`` array of 0 / MASK_MIN.
+    """
+    if ring_len < window - 1:
+        raise ValueError(f"A ring of {ring_len} slots cannot hold a window of {window} tokens")
+    if n_past < 0:
+        raise ValueError(f"n_past={n_past} must be >= 0")
+    rows = np.arange(ar_len)[:, None]
+    slots = np.arange(ring_len)[None, :]
+    held = n_past - 1 - np.mod(n_past - 1 - slots, ring_len)  # the position in each slot (< 0: never written)
+    open_ring = (held >= 0) & ((n_past + rows - held) < window)
+    cols = np.arange(ar_len)[None, :]
+    open_new = (cols <= rows) & ((rows - cols) < window)
+    if n_valid is not None:
+        open_new = open_new & (cols < n_valid)
+    allowed = np.concatenate([open_ring, open_new], axis=1)
+    return np.where(allowed, 0.0, MASK_MIN).astype(dtype).reshape(1, 1, ar_len, ring_len + ar_len)
+
+
 def window_band(ar_len: int, context_len: int, window: int, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
     """The sliding window among one call's own tokens: MASK_MIN where row i meets column ``C - ar_len + c`` with
     ``i - c >= window``, 0 everywhere else (every cache column included).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optimum_qnn.ops.mask import MASK_MIN, attention_mask
+from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask
 
 
 def brute(ar, ctx, n_past, window, n_valid=None):
@@ -47,3 +47,26 @@ def test_padded_call_matches_definition(ar, ctx, n_past, window, n_valid):
 def test_n_past_outside_cache_raises():
     with pytest.raises(ValueError, match="outside the cache"):
         attention_mask(4, 8, 5)
+
+
+@pytest.mark.parametrize("ar,ring,n_past,window,n_valid",
+                         [(1, 4, 0, 4, None), (1, 4, 3, 4, None), (1, 4, 11, 4, None), (3, 4, 9, 4, None),
+                          (6, 4, 13, 4, 4), (2, 5, 7, 4, None), (8, 8, 21, 8, 5)])
+def test_ring_mask_opens_the_same_positions_as_the_full_mask(ar, ring, n_past, window, n_valid):
+    """Over a ring, each row attends to exactly the positions the full-length sliding mask opens: slot s holds the
+    latest position q < n_past with q % ring == s."""
+    ctx = n_past + ar + 1
+    full = attention_mask(ar, ctx, n_past, window=window, n_valid=n_valid)[0, 0]
+    got = ring_mask(ar, ring, n_past, window=window, n_valid=n_valid)[0, 0]
+    assert got.shape == (ar, ring + ar)
+    for i in range(ar):
+        want = {j for j in range(ctx - ar) if full[i, j] == 0}
+        held = {n_past - 1 - (n_past - 1 - s) % ring for s in range(ring) if got[i, s] == 0}
+        assert held == want, (i, held, want)
+        assert np.array_equal(got[i, ring:], full[i, ctx - ar:])
+    assert (got == 0).any() and (got == MASK_MIN).any()
+
+
+def test_ring_shorter_than_its_window_raises():
+    with pytest.raises(ValueError, match="cannot hold a window"):
+        ring_mask(1, 2, 5, window=4)

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, CacheLayout, RunnerContract, check_ring
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions
+from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions, gemma4_layer_specs
 from optimum_qnn.session import KVSession, torch_method
 from optimum_qnn.swap import SWAPS, SwapError, SwapReport, apply_swaps
 
@@ -38,7 +38,8 @@ class StaticCausalLM:
 
     @classmethod
     def from_hf(
-        cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False
+        cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False,
+        cache_layout: CacheLayout = CacheLayout.FULL,
     ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
@@ -48,6 +49,8 @@ class StaticCausalLM:
             ar_len: tokens per prefill call; None or 1 gives a decode-only (``kv``) contract.
             quantized: build the graph for PT2E quantization (a few ops take another, equivalent form that the
                 HTP computes correctly when quantized; see ``ops/softcap.py``).
+            cache_layout: ``CacheLayout.RING`` gives sliding layers caches of ``sliding_window`` slots (a ring); the
+                full layout, which ExecuTorch's C++ runner reads, gives every cache ``C - ar``.
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -73,7 +76,14 @@ class StaticCausalLM:
         ar_lens = {DECODE_METHOD: 1}
         if ar_len is not None and ar_len > 1:
             ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: 1}
-        options = StaticOptions(max_context_len=max_context_len, quantized=quantized, ar_lens=tuple(ar_lens.values()))
+        cache_layout = CacheLayout.parse(cache_layout)
+        window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
+        try:  # before the swap: a ring that cannot help is refused before any module is built
+            ring = check_ring(cache_layout, gemma4_layer_specs(text_config), max_context_len, window)
+        except ValueError as e:
+            raise InvalidInputError(str(e)) from None
+        options = StaticOptions(max_context_len=max_context_len, quantized=quantized, ar_lens=tuple(ar_lens.values()),
+                                ring_len=ring)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)
@@ -82,7 +92,8 @@ class StaticCausalLM:
             vocab_size=text_config.vocab_size,
             context_len=max_context_len,
             ar_lens=ar_lens,
-            sliding_window=text_config.sliding_window if "sliding_attention" in text_config.layer_types else None,
+            sliding_window=window,
+            cache_layout=cache_layout,
         )
         logger.info("Swapped %d modules:\n%s", len(report.swapped), report.table())
         return cls(module, contract, report, text_config)

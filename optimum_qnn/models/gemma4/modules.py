@@ -51,6 +51,9 @@ class StaticOptions:
     # Tokens per call of each method: a call longer than the sliding window closes its own out-of-window columns
     # inside the graph (``ops.mask.window_band``).
     ar_lens: tuple[int, ...] = (1,)
+    # Slots of a sliding layer's ring cache (the window; `CacheLayout.RING`), or None for full-length caches. Only
+    # the window band's width depends on it: the layers attend over whatever columns their caches and mask bring.
+    ring_len: int | None = None
 
 
 class StaticRMSNorm(nn.Module):
@@ -244,11 +247,13 @@ class StaticGemma4TextModel(nn.Module):
             self.per_layer_input_scale = model.per_layer_input_scale
         # ExecuTorch's runner applies the window to past columns only; a call longer than the window closes its own
         # out-of-window columns here, so any runner's mask gives the Hugging Face attention (ops.mask.window_band).
+        # A ring layout's sliding mask spans ring_len + ar columns (the ring, then the call's own tokens).
         self.window_bands: set[int] = set()
         if any(spec.attention is AttentionKind.SLIDING for spec in self.layer_specs):
+            ring = ctx.options.ring_len
             for ar in sorted(set(ctx.options.ar_lens)):
                 if ar > cfg.sliding_window:
-                    band = window_band(ar, ctx.options.max_context_len, cfg.sliding_window)
+                    band = window_band(ar, ctx.options.max_context_len if ring is None else ring + ar, cfg.sliding_window)
                     self.register_buffer(f"window_band_{ar}", band, persistent=False)
                     self.register_buffer(f"window_closed_{ar}", band < 0, persistent=False)
                     self.window_bands.add(ar)

@@ -113,6 +113,7 @@ class RunnerBackend:
                  allowed_root: Path | None = None):
         self.root, self.variant, self.manifest = Path(root), Path(variant), manifest
         self.contract = manifest.runner_contract()
+        check_runner_layout(self.variant, self.contract)
         self.stats = GenerationStats()
         self.report: RunnerReport | None = None
         self.hybrid = any(m.name == PREFILL_METHOD for m in self.contract.methods)
@@ -298,6 +299,19 @@ class RunnerBackend:
                 if pipe is not None:
                     pipe.close()
         return returncode, streams, command
+
+
+def check_runner_layout(variant: Path, contract) -> None:
+    """Refuse, before anything is pushed or started, a variant whose caches ExecuTorch's C++ runner would misread:
+    the runner keeps every cache at ``C - ar`` slots and writes K/V at ``n_past`` (its `KVManager`), so a ring layout
+    (sliding caches of ``sliding_window`` slots) would get wrong shapes or wrong columns."""
+    if contract.cache_layout.value != "full":
+        raise InvalidInputError(
+            f"Variant {variant.name} has the {contract.cache_layout.value!r} cache layout (sliding layers keep a ring of "
+            f"{contract.ring_len} slots), which ExecuTorch's qnn_llama_runner cannot drive: it keeps every cache at "
+            "C - ar slots. Run it with device='host' (or the onnxruntime backend), or export with --cache-layout full "
+            "for the runner"
+        )
 
 
 def _load_tokenizer(root: Path):
