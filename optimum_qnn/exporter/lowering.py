@@ -34,6 +34,7 @@ import torch
 from optimum_qnn.config import Soc
 from optimum_qnn.environment import env_switch
 from optimum_qnn.errors import QnnCompileError
+from optimum_qnn.exporter.htp_limits import qnn_refusal_message
 from optimum_qnn.exporter.delegation import MethodDelegation, delegation_summary
 from optimum_qnn.exporter.edge import (
     EDGE_SIDE_BY_SIDE_VARIABLE,
@@ -457,13 +458,6 @@ class EdgeLowering:
         )
 
 
-# What QNN prints when it refuses a graph: the op it could not create, else its first error line.
-_QNN_OP_REFUSED = re.compile(r"could not create op: (\S+)")
-# QNN's op validation naming the HTP arch a parameter needs: "has incorrect Value 68, expected >= 73."
-_QNN_ARCH_TOO_OLD = re.compile(r"incorrect Value (?P<has>\d+), expected >= (?P<needs>\d+)")
-_QNN_ERROR = re.compile(r"\[ERROR\][^:]*:\s*(?:\S+\.cc:\d+::)?(?:ERROR:)?\s*(.+)")
-
-
 @contextlib.contextmanager
 def _compile_failures_explained(soc: Soc) -> Iterator[Any]:
     """`quiet_native_output`, with QNN's refusal to compile a graph (ExecuTorch asserts on the empty context binary;
@@ -478,22 +472,8 @@ def _compile_failures_explained(soc: Soc) -> Iterator[Any]:
                    or ("QNN compile of shard" in text and "exit code" in text))
         if not refused:
             raise
-        raise QnnCompileError(qnn_refusal_message(soc, native_log.text if native_log else "")) from e
-
-
-def qnn_refusal_message(soc: Soc, native_text: str) -> str:
-    """One paragraph for a user whose graph QNN would not compile, from what QNN printed."""
-    ops = list(dict.fromkeys(_QNN_OP_REFUSED.findall(native_text)))
-    errors = list(dict.fromkeys(m.strip() for m in _QNN_ERROR.findall(native_text)))
-    said = f"it could not create {', '.join(ops[:3])}" if ops else (errors[0] if errors else "no reason printed")
-    arch = _QNN_ARCH_TOO_OLD.search(" ".join(errors))
-    if arch and int(arch.group("has")) == soc.htp_arch:
-        why = (f"An op of the graph needs HTP v{arch.group('needs')} or newer at this precision, and {soc.value} is "
-               f"v{soc.htp_arch}: another --quant may compile (docs/exporting.md lists what each arch supports).")
-    else:
-        why = "The graph uses an op the HTP has no kernel for at this precision, and another --quant may compile."
-    return (f"QNN's HTP compiler refused a graph for {soc.value} ({said}). {why} QNN's own output is above, and -v "
-            "shows all of it. Please report it with that output.")
+        # A shard compiled in a worker process brings QNN's words in the error itself.
+        raise QnnCompileError(qnn_refusal_message(soc, (native_log.text if native_log else "") + "\n" + text)) from e
 
 
 def _edge_spec(*, fp16: bool, multiple: bool) -> list[CompileSpec]:

@@ -80,6 +80,7 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
             f"choose at most {max_pos}"
         )
     config.check_shards(text_config.num_hidden_layers)  # a bad --shards fails here
+    check_cache_layout(text_config, config)
     widths = (text_config.hidden_size,)
     if text_config.hidden_size_per_layer_input:
         widths += (text_config.num_hidden_layers * text_config.hidden_size_per_layer_input,)
@@ -101,6 +102,22 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
     if tokenizer is None and evaluate is not None:
         raise InvalidInputError("--evaluate needs the model's tokenizer, and the model folder has none")
     return tokenizer, config, plan
+
+
+def check_cache_layout(text_config, config: ExportConfig) -> None:
+    """The caches this export makes, from the config alone: a ring that cannot help, and a cache tensor larger than a
+    target SoC's VTCM (`htp_limits.check_tcm`: QNN would refuse it after the whole load, calibration and compile)."""
+    from optimum_qnn.contract import check_ring
+    from optimum_qnn.exporter.htp_limits import check_tcm
+    from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
+
+    layers = gemma4_layer_specs(text_config)
+    window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
+    try:
+        check_ring(config.shapes.cache_layout, layers, config.shapes.max_seq_len, window)
+    except ValueError as e:
+        raise InvalidInputError(f"--cache-layout {config.shapes.cache_layout.value}: {e}") from None
+    check_tcm(layers, window, config)
 
 
 def read_texts(config: ExportConfig, calibration: CalibrationSource, evaluate: Path | None) -> list[str] | None:

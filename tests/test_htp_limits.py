@@ -1,0 +1,121 @@
+"""The TCM rule (optimum_qnn/exporter/htp_limits.py): a context whose cache tensor the HTP cannot tile is refused
+before any work, naming the largest context that compiles; a compile refused on TCM says so, not 'another --quant'."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from optimum_qnn.config import CacheLayout, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.exporter.htp_limits import check_tcm, largest_cache_tensor, qnn_refusal_message
+from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
+from tests.conftest import run_main
+
+# What QNN printed when Gemma-4-E2B's 32K prefill graph (16a4w_block, SM8650) failed, and the tiny probe's decode graph.
+QNN_TCM_LINE = ("[ERROR] [Qnn ExecuTorch]: graph_prepare.cc:217::ERROR:Operator named q::*InputSlice (0x640500000002) "
+                "not sufficiently tiled to fit in TCM. Requires 16777216 bytes")
+
+
+def _e2b():
+    from benchmarks.e2b_width import e2b_config
+
+    cfg = e2b_config()
+    return cfg, gemma4_layer_specs(cfg)
+
+
+def _config(context: int, quant=QuantScheme.A16W8, layout=CacheLayout.FULL, socs=(Soc.SM8650,)) -> ExportConfig:
+    return ExportConfig(socs=socs, quant=quant, mode=ExportMode.HYBRID,
+                        shapes=ShapeConfig(context, 128, cache_layout=layout))
+
+
+def test_probe_cases_follow_the_rule():
+    """The measured cases of benchmarks/tcm_probe.json, each predicted by the rule: refused exactly when QNN refused
+    (a 2-layer checkpoint whose probed layer has E2B's head_dim and one KV head, window 512)."""
+    from pathlib import Path
+
+    from transformers import Gemma4TextConfig
+
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks" / "tcm_probe.json").read_text())
+    checked = 0
+    for row in rows:
+        head_dim, global_head_dim = (256, 32) if row["kind"] == "sliding" else (32, 512)
+        cfg = Gemma4TextConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=row.get("kv_heads", 1), head_dim=head_dim, global_head_dim=global_head_dim,
+            num_global_key_value_heads=row.get("kv_heads", 1), attention_k_eq_v=False,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=512, num_kv_shared_layers=0,
+            hidden_size_per_layer_input=0, max_position_embeddings=max(row["context"], 8192),
+        )
+        mode = ExportMode.parse(row["mode"])
+        config = ExportConfig(socs=(Soc.parse(row["soc"]),), quant=QuantScheme.parse(row["quant"]), mode=mode,
+                              shapes=ShapeConfig(row["context"], 128), weight_sharing=False)
+        try:
+            check_tcm(gemma4_layer_specs(cfg), 512, config)
+            refused = False
+        except InvalidInputError:
+            refused = True
+        assert refused == (row["tcm_bytes"] is not None), row
+        assert row["exit"] == (2 if row["tcm_bytes"] else 0), row
+        checked += 1
+    assert checked >= 6
+
+
+def test_e2b_at_32k_is_refused_naming_the_tensor_vtcm_and_largest_context():
+    cfg, layers = _e2b()
+    with pytest.raises(InvalidInputError) as e:
+        check_tcm(layers, cfg.sliding_window, _config(32768, QuantScheme.A16W4_BLOCK))
+    text = str(e.value)
+    # The largest: a full-attention layer's K (one KV head, head_dim 512, 32768 columns, 2 bytes).
+    assert "full-attention: 1 KV head(s) x head_dim 512 x 32768 columns, 33554432 bytes" in text
+    assert "SM8650 has 8 MiB (8388608 bytes) of VTCM" in text
+    assert "--max-seq-len 8192 is the largest context that compiles for SM8650" in text
+    check_tcm(layers, cfg.sliding_window, _config(8192, QuantScheme.A16W4_BLOCK))  # 8 MiB: what compiled
+    check_tcm(layers, cfg.sliding_window, _config(32768, QuantScheme.FP16))  # fp16 tiled 16 MiB: no rule measured
+    # A SoC with 16 MiB of VTCM takes twice the context.
+    check_tcm(layers, cfg.sliding_window, _config(16384, socs=(Soc.SA8797,)))
+    with pytest.raises(InvalidInputError, match="--max-seq-len 16384 is the largest context that compiles for SA8797"):
+        check_tcm(layers, cfg.sliding_window, _config(32768, socs=(Soc.SA8797,)))
+
+
+def test_ring_layout_takes_sliding_caches_out_of_the_limit():
+    """A model whose largest caches are sliding (E2B's full layers cut to head_dim 256): the ring compiles what the
+    full layout cannot, and the full layout's refusal says so."""
+    from benchmarks.e2b_width import e2b_config
+
+    cfg = e2b_config()
+    layers = tuple(dataclasses.replace(l, head_dim=256 if l.attention.value == "full_attention" else 512)
+                   for l in gemma4_layer_specs(cfg))  # sliding layers now hold the larger caches
+    with pytest.raises(InvalidInputError, match=r"--max-seq-len 8192 is the largest .* \(with --cache-layout ring, 16384"):
+        check_tcm(layers, 512, _config(32768))
+    tensor = largest_cache_tensor(layers, 16384, (1, 128), 512, CacheLayout.RING, 2)
+    assert tensor.layer.attention.value == "full_attention" and tensor.bytes == 256 * 16384 * 2
+    check_tcm(layers, 512, _config(16384, layout=CacheLayout.RING))
+
+
+def test_refused_compile_on_tcm_names_the_bytes_and_vtcm_not_another_quant():
+    message = qnn_refusal_message(Soc.SM8650, "noise\n" + QNN_TCM_LINE + "\nmore")
+    assert "q::*InputSlice needs a tensor of 16777216 bytes (16.0 MiB) in TCM" in message
+    assert "SM8650 has 8 MiB (8388608 bytes) of VTCM" in message
+    assert "another --quant keeps the same cache" in message and "another --quant may compile" not in message
+    other = qnn_refusal_message(Soc.SM8650, "could not create op: q::Minimum_u8")
+    assert "another --quant may compile" in other
+
+
+def test_export_refuses_before_loading(tmp_path, capsys):
+    """`export` on a folder holding only E2B's config.json: the refusal comes from the preflight, in seconds, before
+    any weight file is looked for."""
+    cfg, _ = _e2b()
+    cfg.save_pretrained(tmp_path / "e2b")
+    start = time.monotonic()
+    code, out, err = run_main(["export", "-m", tmp_path / "e2b", "-o", tmp_path / "out", "--max-seq-len", "32768",
+                               "--quant", "16a4w_block"], capsys)
+    assert code != 0 and time.monotonic() - start < 60
+    assert "--max-seq-len 32768 cannot compile for SM8650" in err and "8192 is the largest context" in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+    code, out, err = run_main(["export", "-m", tmp_path / "e2b", "-o", tmp_path / "out2", "--max-seq-len", "513",
+                               "--cache-layout", "ring", "--quant", "fp16"], capsys)
+    assert code != 0 and "not fewer than the 512 of a full-length cache" in err, err[-2000:]
