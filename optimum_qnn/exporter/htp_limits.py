@@ -1,14 +1,19 @@
 """What the HTP compiler refuses, said before the compile (the preflight) and after it (a refused graph's message).
 
-The TCM rule, measured with QAIRT 2.49.40 on the x86 HTP compiler (benchmarks/tcm_probe.py, benchmarks/tcm_probe.json;
-tiny Gemma4 checkpoints with Gemma-4-E2B's per-layer head dims and one KV head): in a graph with quantized (16-bit)
-activations, each cache-owning layer's K and V over all the columns one call attends to, ``kv_heads x head_dim x
-columns`` elements, is sliced by one `q::*InputSlice` operator that must hold it in the SoC's VTCM at once. 8 MiB on
-SM8650 (head_dim 256 at 16384 columns) compiled; 16 MiB (head_dim 256 at 32768) was refused with `Operator named
-q::*InputSlice ... not sufficiently tiled to fit in TCM. Requires 16777216 bytes`, in the decode and the prefill
-graph alike (Gemma-4-E2B at 32K failed so after 13 minutes of compile). An fp16 graph tiled the same 16 MiB tensor
-and compiled. The columns are ``C`` for a full-length cache (its ``C - ar`` slots plus the call's own ``ar``) and
-``sliding_window + ar`` for a ring (`CacheLayout.RING`).
+The TCM rule, measured with QAIRT 2.49.40 on the x86 HTP compiler (benchmarks/tcm_probe.py, rows in
+benchmarks/tcm_probe.json; 2-layer Gemma4 checkpoints whose probed layer has Gemma-4-E2B's head_dim, one KV head):
+a quantized export whose KV caches cross the graph boundary as uint16 (the default integer IO) needs each cache
+input, over the columns one call attends to (``kv_heads x head_dim x columns x 2`` bytes), in TCM in one piece
+(QNN's `q::*InputSlice`), and that piece may not exceed 8 MiB:
+- head_dim 256 at 8192 and 16384 columns (4 and 8 MiB) and head_dim 512 at 8192 (8 MiB) compiled on SM8650;
+- 24576 and 32768 columns at head_dim 256 (12 and 16 MiB) and 16384 at head_dim 512 (16 MiB) were refused
+  (`Operator named q::*InputSlice ... not sufficiently tiled to fit in TCM. Requires 16777216 bytes`), in the decode
+  and the prefill graph alike (Gemma-4-E2B at 32K failed so after 13 minutes of compile);
+- SA8797, whose VTCM ExecuTorch lists as 16 MB, refused 12 and 16 MiB too: the limit did not follow the VTCM table,
+  so it is taken as the smaller of 8 MiB and the SoC's VTCM (SoCs with 2 or 4 MB were not measured);
+- the same 16 MiB cache compiled with float32 IO (``--float-io``: the graph quantizes the cache itself) and in fp16.
+The columns are ``C`` for a full-length cache (its ``C - ar`` slots plus the call's own ``ar``) and
+``sliding_window + ar`` for a ring (`CacheLayout.RING`). 8a8w's uint8 caches are counted at one byte (not measured).
 """
 
 from __future__ import annotations
@@ -36,17 +41,26 @@ _QNN_ARCH_TOO_OLD = re.compile(r"incorrect Value (?P<has>\d+), expected >= (?P<n
 _QNN_ERROR = re.compile(r"\[ERROR\][^:]*:\s*(?:\S+\.cc:\d+::)?(?:ERROR:)?\s*(.+)")
 
 
+# The largest integer cache input measured to compile (SM8650 and SA8797 alike).
+INPUT_SLICE_LIMIT = 8 * MIB
+
+
 def vtcm_bytes(soc: Soc) -> int:
     """The SoC's VTCM in bytes (`socs.py` lists MiB, as ExecuTorch's `_soc_info_table` does)."""
     return soc.info.vtcm_mb * MIB
 
 
-def activation_bytes(quant: QuantScheme) -> int | None:
-    """Bytes per element of the in-graph caches that the TCM rule counts, or None where none was measured (fp16
-    tiled a 16 MiB cache on SM8650)."""
-    if quant is QuantScheme.FP16:
+def tcm_limit(soc: Soc) -> int:
+    """The largest integer cache input the HTP compiler took in one piece for ``soc`` (the rule above)."""
+    return min(vtcm_bytes(soc), INPUT_SLICE_LIMIT)
+
+
+def integer_io_bytes(config: ExportConfig) -> int | None:
+    """Bytes per element of the caches at the graph boundary when they are integers, or None for float IO (fp16, or
+    ``--float-io``), where the rule does not apply: a 16 MiB cache compiled there."""
+    if config.quant is QuantScheme.FP16 or config.float_io:
         return None
-    return 1 if quant.value.startswith("8a") else 2
+    return 1 if config.quant.value.startswith("8a") else 2
 
 
 @dataclass(frozen=True)
@@ -101,14 +115,14 @@ def check_tcm(layers: tuple[LayerSpec, ...], window: int | None, config: ExportC
     Raises:
         InvalidInputError: naming the tensor, its bytes, the SoC's VTCM and the largest context that compiles.
     """
-    element = activation_bytes(config.quant)
+    element = integer_io_bytes(config)
     if element is None or os.environ.get(NO_TCM_CHECK_ENV) == "1":
         return
     shapes = config.shapes
     ar_lens = (1, shapes.prefill_ar_len) if config.mode is ExportMode.HYBRID else (1,)
     tensor = largest_cache_tensor(layers, shapes.max_seq_len, ar_lens, window, shapes.cache_layout, element)
-    for soc in sorted(config.socs, key=vtcm_bytes):
-        limit = vtcm_bytes(soc)
+    for soc in sorted(config.socs, key=tcm_limit):
+        limit = tcm_limit(soc)
         if tensor.bytes <= limit:
             continue
         best = largest_context(layers, ar_lens, window, shapes.cache_layout, element, limit)
@@ -118,10 +132,12 @@ def check_tcm(layers: tuple[LayerSpec, ...], window: int | None, config: ExportC
         if shapes.cache_layout is CacheLayout.FULL and ring is not None and best is not None and ring > best:
             advice += f" (with --cache-layout ring, {ring}: sliding layers then keep only their window)"
         raise InvalidInputError(
-            f"--max-seq-len {shapes.max_seq_len} cannot compile for {soc.label}: {tensor.describe()} must fit the "
-            f"HTP's TCM in one piece at {config.quant.value} (QNN's q::*InputSlice), and {soc.value} has "
-            f"{soc.info.vtcm_mb} MiB ({limit} bytes) of VTCM. {advice}. Measured with QAIRT 2.49.40 "
-            f"(benchmarks/tcm_probe.json); {NO_TCM_CHECK_ENV}=1 compiles anyway"
+            f"--max-seq-len {shapes.max_seq_len} cannot compile for {soc.label}: {tensor.describe()} crosses the graph "
+            f"boundary as uint16, and QNN's HTP compiler takes such an input in one piece of TCM (q::*InputSlice), at "
+            f"most {limit} bytes ({limit // MIB} MiB; {soc.value} has {soc.info.vtcm_mb} MiB of VTCM). {advice}; "
+            "--float-io compiles longer contexts (float32 caches at the boundary, quantized inside the graph: twice "
+            f"the cache bytes per call). Measured with QAIRT 2.49.40 (benchmarks/tcm_probe.json); {NO_TCM_CHECK_ENV}=1 "
+            "compiles anyway"
         )
 
 
@@ -138,10 +154,10 @@ def qnn_refusal_message(soc: Soc, native_text: str) -> str:
         op, needed = tcm
         return (f"QNN's HTP compiler refused a graph for {soc.value}: its operator {op} needs a tensor of {needed} "
                 f"bytes ({needed / MIB:.1f} MiB) in TCM at once, and {soc.value} has {soc.info.vtcm_mb} MiB "
-                f"({vtcm_bytes(soc)} bytes) of VTCM. At long contexts that tensor is a KV cache (KV heads x head_dim x "
-                "context x 2 bytes at 16-bit activations): choose a smaller --max-seq-len, or --cache-layout ring when "
-                "the sliding layers' caches are the large ones; another --quant keeps the same cache. QNN's own output "
-                "is above, and -v shows all of it.")
+                f"({vtcm_bytes(soc)} bytes) of VTCM (the largest measured to compile: {tcm_limit(soc)} bytes). At long "
+                "contexts that tensor is a uint16 KV cache input (KV heads x head_dim x context x 2 bytes): choose a "
+                "smaller --max-seq-len, --cache-layout ring when the sliding layers' caches are the large ones, or "
+                "--float-io; another --quant keeps the same cache. QNN's own output is above, and -v shows all of it.")
     ops = list(dict.fromkeys(_QNN_OP_REFUSED.findall(native_text)))
     errors = list(dict.fromkeys(m.strip() for m in _QNN_ERROR.findall(native_text)))
     said = f"it could not create {', '.join(ops[:3])}" if ops else (errors[0] if errors else "no reason printed")
