@@ -11,7 +11,8 @@ input, over the columns one call attends to (``kv_heads x head_dim x columns x 2
   and the prefill graph alike (Gemma-4-E2B at 32K failed so after 13 minutes of compile);
 - SA8797, whose VTCM ExecuTorch lists as 16 MB, refused 12 and 16 MiB too: the limit did not follow the VTCM table,
   so it is taken as the smaller of 8 MiB and the SoC's VTCM (SoCs with 2 or 4 MB were not measured);
-- the same 16 MiB cache compiled with float32 IO (``--float-io``: the graph quantizes the cache itself) and in fp16.
+- with float32 IO (``--float-io``: the graph quantizes the caches itself) and in fp16, 16 MiB (head_dim 256 at 32768)
+  and 32 MiB (head_dim 512 at 32768) caches compiled.
 The columns are ``C`` for a full-length cache (its ``C - ar`` slots plus the call's own ``ar``) and
 ``sliding_window + ar`` for a ring (`CacheLayout.RING`). 8a8w's uint8 caches are counted at one byte (not measured).
 """
@@ -136,7 +137,7 @@ def check_tcm(layers: tuple[LayerSpec, ...], window: int | None, config: ExportC
             f"boundary as uint16, and QNN's HTP compiler takes such an input in one piece of TCM (q::*InputSlice), at "
             f"most {limit} bytes ({limit // MIB} MiB; {soc.value} has {soc.info.vtcm_mb} MiB of VTCM). {advice}; "
             "--float-io compiles longer contexts (float32 caches at the boundary, quantized inside the graph: twice "
-            f"the cache bytes per call). Measured with QAIRT 2.49.40 (benchmarks/tcm_probe.json); {NO_TCM_CHECK_ENV}=1 "
+            f"the cache bytes per call; head_dim 512 at 32768 compiled so). Measured with QAIRT 2.49.40 (benchmarks/tcm_probe.json); {NO_TCM_CHECK_ENV}=1 "
             "compiles anyway"
         )
 
