@@ -5,7 +5,8 @@ traffic goes through memory shared with the HTP, every decode step. The sizes co
 exporter builds for E2B's published text config (35 layers, 15 owning a KV cache, per-layer head_dim 256/512,
 vocab 262144), so they are exact, not sampled.
 
-Usage: python benchmarks/io_bytes.py [--contexts 1024 4096] [--prefill 128]
+Usage: python benchmarks/io_bytes.py [--contexts 1024 4096] [--prefill 128] [--layouts]
+(--layouts: uint16 bytes per call with full-length caches against the ring layout, `--cache-layout ring`)
 """
 
 from __future__ import annotations
@@ -18,20 +19,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract  # noqa: E402
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, CacheLayout, RunnerContract  # noqa: E402
 from optimum_qnn.models.gemma4.modules import gemma4_layer_specs  # noqa: E402
 
 _BYTES = {"float32": 4, "int64": 8, "int32": 4, "uint16": 2}
 
 
-def contracts(context: int, prefill: int) -> tuple[RunnerContract, RunnerContract]:
+def contracts(context: int, prefill: int, layout: CacheLayout = CacheLayout.FULL) -> tuple[RunnerContract, RunnerContract]:
     from e2b_width import e2b_config
 
     cfg = e2b_config()
     layers = gemma4_layer_specs(cfg)
     float_io = RunnerContract.build(
         layers, vocab_size=cfg.vocab_size, context_len=context, ar_lens={PREFILL_METHOD: prefill, DECODE_METHOD: 1},
-        sliding_window=cfg.sliding_window,
+        sliding_window=cfg.sliding_window, cache_layout=layout,
     )
     names = {t.name for m in float_io.methods for t in (*m.inputs, *m.outputs)} - {"tokens", "input_pos"}
     return float_io, float_io.with_quantized_io({name: (1.0, 0, "uint16") for name in names})
@@ -70,12 +71,24 @@ def table(contexts=(1024, 4096), prefill: int = 128) -> str:
     return "\n".join(lines)
 
 
+def layout_table(contexts=(1024, 4096, 8192, 32768), prefill: int = 128) -> str:
+    """uint16 MiB per call (inputs + outputs) with full-length caches and with the ring layout."""
+    lines = ["| context | method | full layout MiB | ring layout MiB | ratio |", "|---|---|---|---|---|"]
+    for context in contexts:
+        full, ring = contracts(context, prefill)[1], contracts(context, prefill, CacheLayout.RING)[1]
+        for method in (DECODE_METHOD, PREFILL_METHOD):
+            a, b = sum(call_bytes(full, method)), sum(call_bytes(ring, method))
+            lines.append(f"| {context} | {method} | {a / 2**20:.1f} | {b / 2**20:.1f} | {a / b:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--layouts", action="store_true", help="full-length caches against the ring layout")
     args = parser.parse_args()
-    print(table(args.contexts, args.prefill))
+    print(layout_table(args.contexts, args.prefill) if args.layouts else table(args.contexts, args.prefill))
     return 0
 
 
