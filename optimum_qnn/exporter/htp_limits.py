@@ -9,6 +9,7 @@ input, over the columns one call attends to (``kv_heads x head_dim x columns x 2
 - 24576 and 32768 columns at head_dim 256 (12 and 16 MiB) and 16384 at head_dim 512 (16 MiB) were refused
   (`Operator named q::*InputSlice ... not sufficiently tiled to fit in TCM. Requires 16777216 bytes`), in the decode
   and the prefill graph alike (Gemma-4-E2B at 32K failed so after 13 minutes of compile);
+- the KV heads count together: 2 KV heads of head_dim 256 at 16384 (16 MiB, 8 MiB a head) were refused (E4B has 2);
 - SA8797, whose VTCM ExecuTorch lists as 16 MB, refused 12 and 16 MiB too: the limit did not follow the VTCM table,
   so it is taken as the smaller of 8 MiB and the SoC's VTCM (SoCs with 2 or 4 MB were not measured);
 - with float32 IO (``--float-io``: the graph quantizes the caches itself) and in fp16, 16 MiB (head_dim 256 at 32768)
