@@ -29,14 +29,14 @@ _TCM = re.compile(r"Operator named (\S+).*?not sufficiently tiled to fit in TCM\
 def checkpoint(folder: Path, kind: str, max_pos: int, kv_heads: int = 1) -> Path:
     """Two decoder layers, sliding then full (transformers forces the last layer to full attention), at E2B's KV
     heads (1) and window 512. The probed kind has E2B's head_dim (sliding 256, full 512); the other kind has 32, so
-    its cache is 8 (or 16) times smaller and never the one QNN refuses."""
+    its cache is 8 (or 16) times smaller and never the one QNN refuses. ``both``: E2B's two head dims at once."""
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     path = folder / (f"{kind}_{max_pos}" + (f"_kv{kv_heads}" if kv_heads != 1 else ""))
     if (path / "config.json").is_file():
         return path
-    head_dim, global_head_dim = (256, 32) if kind == "sliding" else (32, 512)
+    head_dim, global_head_dim = {"sliding": (256, 32), "full": (32, 512), "both": (256, 512)}[kind]
     cfg = Gemma4TextConfig(
         vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=head_dim, global_head_dim=global_head_dim,
@@ -83,7 +83,7 @@ def main() -> None:
             for quant in args.quant:
                 for soc in args.soc:
                     out = args.work / f"out_{kind}_{context}_{quant}_{soc}_{args.mode}_kv{args.kv_heads}"
-                    row = {"kind": kind, "head_dim": 256 if kind == "sliding" else 512, "kv_heads": args.kv_heads,
+                    row = {"kind": kind, "head_dim": {"sliding": 256, "full": 512, "both": 512}[kind], "kv_heads": args.kv_heads,
                            "context": context,
                            "quant": quant, "soc": soc, "mode": args.mode, "extra": args.extra}
                     row.update(run_case(model, out, context, quant, soc, args.mode, args.extra))

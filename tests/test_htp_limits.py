@@ -42,7 +42,7 @@ def test_probe_cases_follow_the_rule():
     rows = json.loads((Path(__file__).parents[1] / "benchmarks" / "tcm_probe.json").read_text())
     checked = 0
     for row in rows:
-        head_dim, global_head_dim = (256, 32) if row["kind"] == "sliding" else (32, 512)
+        head_dim, global_head_dim = {"sliding": (256, 32), "full": (32, 512), "both": (256, 512)}[row["kind"]]
         cfg = Gemma4TextConfig(
             vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=row.get("kv_heads", 1), head_dim=head_dim, global_head_dim=global_head_dim,
@@ -52,8 +52,9 @@ def test_probe_cases_follow_the_rule():
         )
         mode = ExportMode.parse(row["mode"])
         config = ExportConfig(socs=(Soc.parse(row["soc"]),), quant=QuantScheme.parse(row["quant"]), mode=mode,
-                              shapes=ShapeConfig(row["context"], 128), weight_sharing=False,
-                              float_io="--float-io" in row["extra"])
+                              shapes=ShapeConfig(row["context"], 128, cache_layout=CacheLayout.RING if "ring" in row["extra"]
+                                                 else CacheLayout.FULL),
+                              weight_sharing=False, float_io="--float-io" in row["extra"])
         try:
             check_tcm(gemma4_layer_specs(cfg), 512, config)
             refused = False
