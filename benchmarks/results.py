@@ -261,6 +261,7 @@ def render(results: dict) -> str:
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
         + chat_section(stored("chat_reuse.json")) + profile_section(stored("lowering_profile.json"))
         + multi_soc_section(stored("multi_soc.json")) + matrix_section(stored("matrix.json"))
+        + runtimes_section(stored("ort_vs_executorch.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text
@@ -281,6 +282,28 @@ def phone_section(rows: dict) -> str:
         "the x86 emulator cannot load), so the HTP weights are stored once; the ratio is against plain 16a4w_block "
         "of the same model.\n\n"
         + markdown(["model", "scheme", "phone .pte KB", "size against", "commit"], lines) + "\n"
+    )
+
+
+def runtimes_section(rows: dict) -> str:
+    """Seconds per call, load and peak RSS of one variant in onnxruntime-qnn against ExecuTorch's runtime."""
+    if not rows:
+        return ""
+    by = {r["runtime"]: r for r in rows["rows"]}
+    ort, et = by["onnxruntime"], by["executorch"]
+    lines = [[f"{m} s/call (median)", f"{ort['methods'][m]['median_s']:.3f}", f"{et['methods'][m]['median_s']:.3f}",
+              f"{ort['methods'][m]['median_s'] / et['methods'][m]['median_s']:.2f}"] for m in ort["methods"]]
+    lines += [[f"{m} s/call, taking turns in one process", f"{v['onnxruntime_s']:.3f}", f"{v['executorch_s']:.3f}",
+               f"{v['onnxruntime_s'] / v['executorch_s']:.2f}"] for m, v in rows["interleaved"].items()]
+    lines += [["load s", f"{ort['load_s']:.2f}", f"{et['load_s']:.2f}", f"{ort['load_s'] / et['load_s']:.2f}"],
+              ["peak RSS MB", f"{ort['peak_rss_mb']:.0f}", f"{et['peak_rss_mb']:.0f}",
+               f"{ort['peak_rss_mb'] / et['peak_rss_mb']:.2f}"]]
+    return (
+        "\n## The two in-process runtimes\n\n"
+        "benchmarks/ort_vs_executorch.py: the demo export (16a8w hybrid, context 128) on the x86 HTP emulator, each "
+        "runtime in its own child process, one after the other (ExecuTorch's load includes importing torch), then both "
+        f"in one process taking turns; outputs byte-identical: {rows.get('identical')}.\n\n"
+        + markdown(["", "onnxruntime", "ExecuTorch", "ratio"], lines) + "\n"
     )
 
 
