@@ -20,7 +20,8 @@ import os
 import openai
 import pytest
 
-from tests.test_device_adb import PREFILL, artifact, load, phone, tokenizer, write_runner, write_sdk, x86_phone  # noqa: F401
+from tests.test_device_adb import PREFILL, artifact, load, phone, tokenizer, write_runner, write_sdk  # noqa: F401
+from tests.test_device_adb_runner import x86_phone  # noqa: F401
 from tests.test_server import client, running
 
 REAL_RUNNER = os.environ.get("QNN_LLAMA_RUNNER")
