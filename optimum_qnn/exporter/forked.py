@@ -65,6 +65,7 @@ class Forked(Generic[T]):
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: never returns
+            parallel_compile.freeze_inherited()
             parallel_compile.die_with_parent(parent)
             os.close(read_fd)
             _child(fn, self._result_path, write_fd)

@@ -67,6 +67,16 @@ def fork_available() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "waitid")
 
 
+def freeze_inherited() -> None:
+    """In a forked child: never garbage-collect what it inherited. A collection there runs the finalizers of the
+    parent's unreachable objects, onnxruntime sessions among them, whose native threads do not exist in the child:
+    an edge-conversion child segfaulted "Garbage-collecting" inside torch.export after the parent had run and dropped
+    onnxruntime programs (fresh-clone suite, block4_export after tests/runtime/backends)."""
+    import gc
+
+    gc.freeze()
+
+
 def die_with_parent(parent: int) -> None:
     """In a forked child: be killed when the process that forked it ends (Linux `PR_SET_PDEATHSIG`), so an export
     that is killed leaves no compile or lowering running behind it, writing files nobody reads."""
@@ -295,6 +305,7 @@ class _WorkerPool:
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker: never returns
+            freeze_inherited()
             die_with_parent(parent)
             _compile_and_exit(compile_fn, path)
         self.running[pid] = (shard, params, kept // 1024)
