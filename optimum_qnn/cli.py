@@ -262,7 +262,7 @@ def _print_result(result) -> None:
 
 def _check_repo_id(repo_id: str) -> None:
     """A --push-to-hub id that the Hub would refuse fails now, not after an hour of export."""
-    from optimum_qnn.artifacts.hub import _REPO_ID
+    from optimum_qnn.artifacts.model_card import _REPO_ID
 
     if not _REPO_ID.match(repo_id) or len(repo_id) > 96 or ".." in repo_id or "--" in repo_id:
         raise InvalidInputError(

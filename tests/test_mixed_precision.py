@@ -265,7 +265,7 @@ def test_apply_clips_scales_the_4bit_observers_only(qnn_sdk):
 
 
 def test_plan_goes_into_the_manifest_and_model_card():
-    from optimum_qnn.artifacts.hub import _plan_section
+    from optimum_qnn.artifacts.model_card import _plan_section
     from optimum_qnn.artifacts.manifest import Quantization, _build, mixed_precision_section
     from optimum_qnn.quantization.mixed_precision import plan
 

@@ -45,7 +45,7 @@ def test_same_as_transformers_on_the_demo_tokenizer(demo_model_dir):
 
 
 def test_missing_or_broken_files_say_what_to_do(tmp_path):
-    with pytest.raises(InvalidInputError, match="no tokenizer.json.*--prompt-ids"):
+    with pytest.raises(InvalidInputError, match="no tokenizer files.*--prompt-ids"):
         ArtifactTokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(InvalidInputError, match="Cannot read the tokenizer files"):

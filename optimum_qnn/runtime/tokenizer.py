@@ -53,7 +53,8 @@ class ArtifactTokenizer:
         path = self.folder / TOKENIZER_FILE
         if not path.is_file():
             raise InvalidInputError(
-                f"The artifact at {self.folder} has no {TOKENIZER_FILE} (its source model had none): pass token ids "
+                f"The artifact at {self.folder} has no tokenizer files (no {TOKENIZER_FILE}; its source model had "
+                "none): pass token ids "
                 "(generate(), --prompt-ids), or export from a model folder that holds its tokenizer"
             )
         try:

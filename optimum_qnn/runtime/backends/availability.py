@@ -98,7 +98,8 @@ class OnnxRuntimeCheck:
                 check_runtime_can_load(manifest.versions.qairt_build_id, build_id, runtime_source=source)
             except QnnSdkError as e:
                 why = str(e)
-        if why is None and folder is not None and (Path(folder) / manifest.program.path).is_file():
+        program = getattr(manifest, "program", None)  # a manifest read from disk has it
+        if why is None and folder is not None and program is not None and (Path(folder) / program.path).is_file():
             # The CPU side of the program, read from the file (no QNN load): an op it has no kernel for is named.
             from optimum_qnn.artifacts.manifest import resolve_inside
             from optimum_qnn.errors import OptimumQnnError
