@@ -187,15 +187,9 @@ EXPORT_INSTALL = "pip install \"optimum-qnn[export]\""
 
 def check_export_stack() -> None:
     """Refuse, before any work, an export on the runtime install (no torch, ExecuTorch or transformers)."""
-    import importlib.util
+    from optimum_qnn.sdk.backend import is_installed
 
-    def installed(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is not None
-        except ImportError:  # a finder that knows the package is not importable here
-            return False
-
-    missing = [name for name in EXPORT_STACK if not installed(name)]
+    missing = [name for name in EXPORT_STACK if not is_installed(name)]
     if missing:
         raise InvalidInputError(
             f"Exporting needs {', '.join(missing)}, which the runtime install leaves out: install the exporter with "

@@ -24,7 +24,7 @@ from optimum_qnn.runtime.backends.availability import Answer, BackendCheck, back
 from optimum_qnn.runtime.backends.device import default_host_runtime
 from optimum_qnn.sdk import QnnSdkError, ensure_qnn_sdk, supported_socs, unsigned_windows_skels
 from optimum_qnn.runtime.backends.soc import HostSoc, detect_host_soc, from_name
-from optimum_qnn.sdk.backend import QNN_BACKEND, qnn_backend_missing_message, registered_backends
+from optimum_qnn.sdk.backend import QNN_BACKEND, executorch_backends, qnn_backend_missing_message
 
 # Distribution name -> the version verified with this release (pyproject.toml's pins); None: any.
 STACK = {
@@ -106,18 +106,6 @@ def _device_soc(adb_serial: str | None, system: str) -> HostSoc | None:
     return from_name(model, f"adb {adb.serial}: getprop ro.soc.model")
 
 
-def _executorch_backends() -> list[str] | None:
-    """The backends ExecuTorch's runtime registers here, or None when ExecuTorch is not installed."""
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("executorch") is None:
-            return None
-    except ImportError:
-        return None
-    return registered_backends()
-
-
 def _runner_available() -> bool:
     from optimum_qnn.runtime.backends.bundle import find_runner
     from optimum_qnn.runtime.backends.device import DeviceError
@@ -169,7 +157,7 @@ def run_doctor(path: Path | None = None, out: TextIO | None = None, err: TextIO 
             rows.append(("unsigned", f"HTP {', '.join(f'v{a}' for a in unsigned)}: no libqnnhtpv<arch>.cat beside the skel"))
     _rows(rows, out)
 
-    backends = _executorch_backends()
+    backends = executorch_backends()
     has_qnn = backends is not None and QNN_BACKEND in backends
     print("\nExecuTorch runtime", file=out)
     if backends is None:

@@ -20,6 +20,22 @@ EXECUTORCH_QNN_BUILD = (
 )
 
 
+def is_installed(module: str) -> bool:
+    """Whether ``module`` can be imported here, without importing it (a finder that refuses it counts as absent)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def executorch_backends() -> list[str] | None:
+    """The backends ExecuTorch's runtime registers here (`registered_backends`), or None when ExecuTorch is not
+    installed (the runtime install)."""
+    return registered_backends() if is_installed("executorch") else None
+
+
 class QnnBackendMissingError(QnnSdkError):
     """ExecuTorch's runtime in this process has no QNN backend: no QNN `.pte` can run here."""
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from optimum_qnn.program import is_emulator_host
 from optimum_qnn.sdk import QnnSdk, QnnSdkError, check_runtime_can_load
-from optimum_qnn.sdk.backend import QNN_BACKEND
+from optimum_qnn.sdk.backend import QNN_BACKEND, is_installed
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,7 @@ class OnnxRuntimeCheck:
 
 def onnxruntime_qnn_status() -> tuple[str, str] | str:
     """(QAIRT build id, package) of this machine's onnxruntime-qnn, or why it cannot serve here."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("onnxruntime_qnn") is not None and importlib.util.find_spec("onnxruntime")
-    except ImportError:
-        found = False
-    if not found:
+    if not (is_installed("onnxruntime_qnn") and is_installed("onnxruntime")):
         return "onnxruntime-qnn is not installed: pip install onnxruntime-qnn==2.5.0 (it comes with optimum-qnn)"
     from optimum_qnn.runtime.backends.device import DeviceError
     from optimum_qnn.runtime.backends.onnxruntime.backend import runtime_build_id

@@ -53,20 +53,14 @@ def default_host_runtime() -> tuple[str, str]:
     """The runtime ``device="host"`` uses on this machine, and why: ExecuTorch's Python runtime where it has its QNN
     backend (the registry's x86_64 Linux wheel), onnxruntime-qnn everywhere else (no ExecuTorch installed: the
     runtime install; or an ExecuTorch without QNN: the registry's aarch64 wheel)."""
-    import importlib.util
+    from optimum_qnn.sdk.backend import QNN_BACKEND, executorch_backends
 
     try:
-        installed = importlib.util.find_spec("executorch") is not None
-    except ImportError:  # a finder that knows it is not importable here
-        installed = False
-    if not installed:
-        return "onnxruntime", "ExecuTorch is not installed (the runtime install)"
-    from optimum_qnn.sdk.backend import QNN_BACKEND, registered_backends
-
-    try:
-        backends = registered_backends()
+        backends = executorch_backends()
     except (ImportError, OSError) as e:
         return "onnxruntime", f"ExecuTorch's runtime does not load here ({e})"
+    if backends is None:
+        return "onnxruntime", "ExecuTorch is not installed (the runtime install)"
     if QNN_BACKEND not in backends:
         return "onnxruntime", f"ExecuTorch here has no QNN backend (registered: {', '.join(backends) or 'none'})"
     return "executorch", "ExecuTorch here has its QNN backend"
