@@ -14,6 +14,7 @@ from pathlib import Path
 from optimum_qnn.config import (
     BLOCK_SIZES,
     CacheLayout,
+    DEFAULT_CONTEXT,
     EmbeddingQuant,
     ExportConfig,
     ExportMode,
@@ -88,7 +89,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt.add_argument("--mode", default=_DEFAULTS.mode.value, choices=[m.value for m in ExportMode],
                      help="hybrid: prefill + decode methods in one .pte; kv: decode only (default: %(default)s)")
-    opt.add_argument("--max-seq-len", type=int, default=_DEFAULTS.shapes.max_seq_len, help="context length C (default: %(default)s)")
+    opt.add_argument("--max-seq-len", type=int, default=None,
+                     help=f"context length C (default: {DEFAULT_CONTEXT}, or the model's max_position_embeddings or the "
+                          "largest context the target's HTP compiles where that is less; why 4096: docs/exporting.md)")
     opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
     opt.add_argument("--cache-layout", default=_DEFAULTS.shapes.cache_layout.value, choices=[c.value for c in CacheLayout],
                      help="full: every KV cache holds C - ar slots (what ExecuTorch's C++ qnn_llama_runner reads); ring: "

@@ -246,31 +246,44 @@ class EmbeddingQuant:
         return f"{self.bits},{self.group_size}" + ("" if self.symmetric else ",asym")
 
 
+# The context an export gets without --max-seq-len (less where the model or the target's HTP allows less). Measured
+# at Gemma-4-E2B's full size (benchmarks/contexts.py, rows in benchmarks/contexts.json, docs/exporting.md#context-length):
+# the export at 4096 takes the time and memory of one at 1024 (the weights dominate both) and fits a 16 GB machine;
+# what grows is the KV cache the HTP reads on every decode step, and at 4096 it is still a small share of the weights
+# it reads (an estimate for SM8750 in benchmarks/RESULTS.md). Google's own NPU builds of Gemma-4-E2B hold 4096 too.
+DEFAULT_CONTEXT = 4096
+
+
 @dataclass(frozen=True)
 class ShapeConfig:
     """Static shapes of the exported graphs.
 
     Args:
-        max_seq_len: total context length C (past tokens + the tokens of one call).
+        max_seq_len: total context length C (past tokens + the tokens of one call); None (the default) lets the
+            exporter choose once it has read the model's config: `DEFAULT_CONTEXT`, or less where the model's
+            ``max_position_embeddings`` or the target's HTP (`exporter.htp_limits`) allows less.
         prefill_ar_len: tokens per prefill call (hybrid mode); decode always takes 1.
         cache_layout: ``full`` (every cache ``C - ar`` slots: what ExecuTorch's C++ runner reads) or ``ring``
             (sliding layers keep ``sliding_window`` slots; for this project's own runtimes).
     """
 
-    max_seq_len: int = 1024
+    max_seq_len: int | None = None
     prefill_ar_len: int = 128
     cache_layout: CacheLayout = CacheLayout.FULL
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_seq_len, int) or not isinstance(self.prefill_ar_len, int):
+        if self.max_seq_len is None:  # chosen by the exporter (`DEFAULT_CONTEXT`); the rest is checked then
+            if isinstance(self.prefill_ar_len, bool) or not isinstance(self.prefill_ar_len, int) or self.prefill_ar_len <= 0:
+                raise InvalidInputError(f"prefill_ar_len must be a positive integer; got {self.prefill_ar_len!r}")
+        elif not isinstance(self.max_seq_len, int) or not isinstance(self.prefill_ar_len, int):
             raise InvalidInputError(
                 f"max_seq_len and prefill_ar_len must be integers; got {self.max_seq_len!r} and {self.prefill_ar_len!r}"
             )
-        if self.max_seq_len <= 0 or self.prefill_ar_len <= 0:
+        elif self.max_seq_len <= 0 or self.prefill_ar_len <= 0:
             raise InvalidInputError(
                 f"max_seq_len and prefill_ar_len must be positive; got {self.max_seq_len} and {self.prefill_ar_len}"
             )
-        if self.max_seq_len < 2:
+        elif self.max_seq_len < 2:
             raise InvalidInputError(
                 f"max_seq_len must be at least 2 (a cache of max_seq_len - 1 tokens plus the current one); got {self.max_seq_len}"
             )
@@ -341,7 +354,7 @@ class ExportConfig:
         if not self.socs:
             raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
-        if self.mode is ExportMode.HYBRID and shapes.prefill_ar_len >= shapes.max_seq_len:
+        if self.mode is ExportMode.HYBRID and shapes.max_seq_len is not None and shapes.prefill_ar_len >= shapes.max_seq_len:
             raise InvalidInputError(
                 f"prefill_ar_len ({shapes.prefill_ar_len}) must be smaller than max_seq_len ({shapes.max_seq_len}): "
                 "each call's tokens are appended to a cache of max_seq_len - ar_len slots"

@@ -34,11 +34,11 @@ def _contract(layout: CacheLayout) -> RunnerContract:
 
 
 def test_cli_option_reaches_the_config_and_the_variant_name() -> None:
-    args = build_parser().parse_args(["-m", "x", "-o", "y", "--cache-layout", "ring", "--quant", "fp16"])
+    args = build_parser().parse_args(["-m", "x", "-o", "y", "--cache-layout", "ring", "--quant", "fp16", "--max-seq-len", "1024"])
     config = config_from_args(args)
     assert config.shapes.cache_layout is CacheLayout.RING
     assert variant_name(Soc.SM8650, config) == "qnn/sm8650/fp16-ctx1024-ring"
-    full = dataclasses.replace(config, shapes=ShapeConfig())
+    full = dataclasses.replace(config, shapes=ShapeConfig(1024))
     assert variant_name(Soc.SM8650, full) == "qnn/sm8650/fp16-ctx1024"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["-m", "x", "-o", "y", "--cache-layout", "rings"])

@@ -24,7 +24,7 @@ def test_defaults_and_mapping():
     assert config.embedding_quant == EmbeddingQuant(8, 0)
     default = parse()
     assert default.mode is ExportMode.HYBRID and default.quant_tag == "16a8w"
-    assert default.shapes == ShapeConfig(1024, 128)
+    assert default.shapes == ShapeConfig(None, 128)  # None: the exporter chooses (DEFAULT_CONTEXT, or less)
 
 
 @pytest.mark.parametrize(

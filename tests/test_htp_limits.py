@@ -3,6 +3,7 @@ before any work, naming the largest context that compiles; a compile refused on 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -122,3 +123,46 @@ def test_export_refuses_before_loading(tmp_path, capsys):
     code, out, err = run_main(["export", "-m", tmp_path / "e2b", "-o", tmp_path / "out2", "--max-seq-len", "513",
                                "--cache-layout", "ring", "--quant", "fp16"], capsys)
     assert code != 0 and "not fewer than the 512 of a full-length cache" in err, err[-2000:]
+
+
+def test_the_default_context_is_4096_unless_the_model_or_the_htp_allows_less(caplog):
+    """No --max-seq-len: E2B gets DEFAULT_CONTEXT (4096, compiles: 4 MiB caches); a model whose max_position_embeddings
+    is smaller gets that; a model whose uint16 caches at 4096 would not compile gets the largest that does; a
+    prefill longer than the chosen context is refused naming --prefill-ar-len. One line says which and why."""
+    from optimum_qnn.config import DEFAULT_CONTEXT
+    from optimum_qnn.exporter.preflight import choose_context
+
+    cfg, _ = _e2b()
+    auto = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.A16W4_BLOCK, shapes=ShapeConfig(None, 128))
+    with caplog.at_level("INFO", logger="optimum_qnn.stages"):
+        assert choose_context(cfg, auto).shapes.max_seq_len == DEFAULT_CONTEXT == 4096
+    assert "Context: 4096 tokens (the default (pass --max-seq-len for another))" in caplog.text
+    short = copy.deepcopy(cfg)
+    short.max_position_embeddings = 1024
+    assert choose_context(short, auto).shapes.max_seq_len == 1024
+    # Four KV heads of head_dim 512 (4 KiB a uint16 column): 8 MiB holds 2048 columns, so 2048 is chosen.
+    from transformers import Gemma4TextConfig
+
+    wide = Gemma4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=256, global_head_dim=512, attention_k_eq_v=False,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=512, num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, max_position_embeddings=131072,
+    )
+    layers = gemma4_layer_specs(wide)
+    assert max(l.kv_heads * l.head_dim for l in layers if l.owns_cache) == 2048
+    chosen = choose_context(wide, auto)
+    assert chosen.shapes.max_seq_len == 2048
+    check_tcm(layers, wide.sliding_window, chosen)  # the chosen context passes the refusal it was chosen by
+    with pytest.raises(InvalidInputError, match=r"--prefill-ar-len 1024 needs a longer context .* \(1024: the model's"):
+        choose_context(short, dataclasses.replace(auto, shapes=ShapeConfig(None, 1024)))
+
+
+def test_export_without_max_seq_len_says_its_context(random_model_dir, tmp_path, capsys):
+    """The CLI's default reaches the preflight as 'choose' (None), not a number: a tiny model (max_position_embeddings
+    512) is then refused for its prefill length with the flag to change, before any work."""
+    rc, _, err = run_main(["export", "--model", random_model_dir, "--output", tmp_path / "out", "--prefill-ar-len", 512],
+                          capsys)
+    assert rc == 2
+    assert "--prefill-ar-len 512 needs a longer context than this model allows (512: the model's max_position_embeddings)" in err
+    assert not (tmp_path / "out").exists()

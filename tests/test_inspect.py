@@ -4,6 +4,7 @@ weight-shared (phone) build checked against the non-shared (emulator) build of t
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -165,6 +166,12 @@ def test_shared_and_unshared_builds_hold_the_same_graphs(sharing_export):
         assert [t.shape for t in graphs["prefill_forward"].inputs if t.name.endswith("atten_mask@0")] == [[1, 1, PREFILL, CTX]] * 2
         assert [t.shape for t in graphs["kv_forward"].inputs if t.name.endswith("atten_mask@0")] == [[1, 1, 1, CTX]] * 2
         assert graphs["prefill_forward"].outputs[-1].shape[:2] == [1, PREFILL]  # the logits
+        # The graph's memory needs as QNN reports them: no spill-fill at this size; its IO buffers hold at least the
+        # IO tensors' own bytes (the HTP pads them; a weight-shared context reports one size for both graphs).
+        element = {"ufixed16": 2, "ufixed8": 1, "float32": 4, "float16": 2, "int32": 4}
+        for g in graphs.values():
+            tensors = sum(math.prod(t.shape) * element[t.dtype] for t in (*g.inputs, *g.outputs))
+            assert g.spill_fill_bytes == 0 and g.op_data_bytes > 0 and g.io_bytes >= tensors, (g.name, g.io_bytes, tensors)
 
     check = compare_builds(shared, unshared)
     assert check.same_graphs, check.differences

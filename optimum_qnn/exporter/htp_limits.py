@@ -111,6 +111,18 @@ def largest_context(layers: tuple[LayerSpec, ...], ar_lens: tuple[int, ...], win
     return limit // per_column
 
 
+def largest_compiling_context(layers: tuple[LayerSpec, ...], window: int | None, config: ExportConfig) -> int | None:
+    """The largest context every target SoC of ``config`` compiles (its layout and IO), or None when the rule sets no
+    bound (float IO, or no cache grows with the context)."""
+    element = integer_io_bytes(config)
+    if element is None or os.environ.get(NO_TCM_CHECK_ENV) == "1":
+        return None
+    ar_lens = (1, config.shapes.prefill_ar_len) if config.mode is ExportMode.HYBRID else (1,)
+    bounds = [largest_context(layers, ar_lens, window, config.shapes.cache_layout, element, tcm_limit(soc))
+              for soc in config.socs]
+    return min((b for b in bounds if b is not None), default=None)
+
+
 def check_tcm(layers: tuple[LayerSpec, ...], window: int | None, config: ExportConfig) -> None:
     """Refuse, before any work, an export with a cache tensor larger than a target SoC's VTCM (the rule above).
 

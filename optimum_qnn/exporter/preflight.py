@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optimum_qnn.quantization.calibration import CalibrationSource, check_text_file
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode
+from optimum_qnn.config import DEFAULT_CONTEXT, EmbeddingQuant, ExportConfig, ExportMode
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.memory import MemoryPlan, choose_memory_plan
 from optimum_qnn.exporter.parameters import ParameterCounts
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 logger = logging.getLogger(__name__)
+stage_logger = logging.getLogger("optimum_qnn.stages")  # shown without -v
 
 
 def check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens) -> None:
@@ -74,7 +75,9 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
         raise InvalidInputError(f"--revision {revision!r} selects a Hub revision, but {model} is a local folder; drop --revision")
     text_config = read_text_config(folder)
     max_pos = text_config.max_position_embeddings
-    if config.shapes.max_seq_len > max_pos:
+    if config.shapes.max_seq_len is None:
+        config = choose_context(text_config, config)
+    elif config.shapes.max_seq_len > max_pos:
         raise InvalidInputError(
             f"--max-seq-len {config.shapes.max_seq_len} exceeds the model's max_position_embeddings ({max_pos}); "
             f"choose at most {max_pos}"
@@ -104,15 +107,44 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
     return tokenizer, config, plan
 
 
+def choose_context(text_config, config: ExportConfig) -> ExportConfig:
+    """The config with its context chosen (no --max-seq-len): `DEFAULT_CONTEXT`, or the model's
+    max_position_embeddings, or the largest context every target SoC compiles with this cache layout and IO
+    (`htp_limits.largest_context`), whichever is smallest; one line says which and why."""
+    from optimum_qnn.exporter.htp_limits import largest_compiling_context
+
+    choices = {DEFAULT_CONTEXT: "the default (pass --max-seq-len for another)",
+               text_config.max_position_embeddings: "the model's max_position_embeddings"}
+    compiles = largest_compiling_context(*_cache_layers(text_config), config)
+    if compiles is not None:
+        choices.setdefault(compiles, "the largest context the target's HTP compiles with uint16 caches "
+                                     "(--float-io or --cache-layout ring allow more)")
+    context = min(choices)
+    ar = config.shapes.prefill_ar_len
+    if config.mode is ExportMode.HYBRID and ar >= context:
+        raise InvalidInputError(
+            f"--prefill-ar-len {ar} needs a longer context than this model allows ({context}: {choices[context]}); "
+            f"pass a smaller --prefill-ar-len"
+        )
+    stage_logger.info("Context: %d tokens (%s)", context, choices[context])
+    return dataclasses.replace(config, shapes=dataclasses.replace(config.shapes, max_seq_len=context))
+
+
+def _cache_layers(text_config) -> tuple:
+    """The model's layers as the cache rules see them, and its sliding window (None without sliding layers)."""
+    from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
+
+    window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
+    return gemma4_layer_specs(text_config), window
+
+
 def check_cache_layout(text_config, config: ExportConfig) -> None:
     """The caches this export makes, from the config alone: a ring that cannot help, and a cache tensor larger than a
     target SoC's VTCM (`htp_limits.check_tcm`: QNN would refuse it after the whole load, calibration and compile)."""
     from optimum_qnn.contract import check_ring
     from optimum_qnn.exporter.htp_limits import check_tcm
-    from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
 
-    layers = gemma4_layer_specs(text_config)
-    window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
+    layers, window = _cache_layers(text_config)
     try:
         check_ring(config.shapes.cache_layout, layers, config.shapes.max_seq_len, window)
     except ValueError as e:

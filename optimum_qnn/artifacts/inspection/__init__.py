@@ -44,6 +44,9 @@ class GraphReport:
     Args:
         const_bytes: constant data the graph keeps for itself (its own copy of weights when not shared).
         shared_weights_bytes: weights it reads from the context's shared pool (HTP graph blob info v2).
+        spill_fill_bytes: the spill-fill buffer the graph needs in DDR (HTP graph blob info v1; 0 when none).
+        io_bytes: its input and output tensors' memory (blob info v2).
+        op_data_bytes: its operators' own data, the activations it keeps (blob info v2).
     """
 
     name: str
@@ -51,6 +54,9 @@ class GraphReport:
     outputs: list[TensorInfo]
     const_bytes: int | None
     shared_weights_bytes: int | None
+    spill_fill_bytes: int | None = None
+    io_bytes: int | None = None
+    op_data_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,15 +98,25 @@ class PteReport:
         return format_report(self)
 
 
-def _htp_graph_sizes(blob: bytes) -> tuple[int | None, int | None]:
-    """(const bytes, shared weight bytes) from an HTP graph info blob (QnnHtpSystemContext.h): a v1 record
-    (40 bytes) followed by a v2 record (version, K/V tile sizes, safe-share flag, io, op data, const, DDR tensor
-    and shared weight sizes); (None, None) for a blob without the v2 record."""
-    v1_size, v2 = 40, struct.Struct("<I4xQQI4xQQQQQ")
+@dataclass(frozen=True)
+class _HtpGraphSizes:
+    const: int | None = None
+    shared: int | None = None
+    spill_fill: int | None = None
+    io: int | None = None
+    op_data: int | None = None
+
+
+def _htp_graph_sizes(blob: bytes) -> _HtpGraphSizes:
+    """The sizes of an HTP graph info blob (QnnHtpSystemContext.h): a v1 record (version, spill-fill buffer size,
+    VTCM size, optimization level, DLBC, HVX threads; 40 bytes) followed by a v2 record (version, K/V tile sizes,
+    safe-share flag, io, op data, const, DDR tensor and shared weight sizes); None where a record is missing."""
+    v1, v1_size, v2 = struct.Struct("<I4xQ"), 40, struct.Struct("<I4xQQI4xQQQQQ")
+    spill = v1.unpack_from(blob)[1] if len(blob) >= v1_size and struct.unpack_from("<I", blob)[0] == 1 else None
     if len(blob) < v1_size + v2.size or struct.unpack_from("<I", blob, v1_size)[0] != 2:
-        return None, None
-    *_, const, _ddr, shared = v2.unpack_from(blob, v1_size)
-    return const, shared
+        return _HtpGraphSizes(spill_fill=spill)
+    *_, io, op_data, const, _ddr, shared = v2.unpack_from(blob, v1_size)
+    return _HtpGraphSizes(const, shared, spill, io, op_data)
 
 
 def _htp_arch(metadata: bytes) -> int | None:
@@ -115,8 +131,9 @@ def _context(delegates: list[QnnDelegate], info: BinaryInfo) -> ContextReport:
     soc = Soc.from_soc_model(info.soc_model or -1)
     graphs = []
     for g in info.graphs:
-        const, shared = _htp_graph_sizes(g.blob)
-        graphs.append(GraphReport(g.name, g.inputs, g.outputs, const, shared))
+        sizes = _htp_graph_sizes(g.blob)
+        graphs.append(GraphReport(g.name, g.inputs, g.outputs, sizes.const, sizes.shared, sizes.spill_fill, sizes.io,
+                                  sizes.op_data))
     return ContextReport(
         delegates=[f"{d.method}[{d.index}]" for d in delegates],
         size=len(delegates[0].binary),
@@ -186,7 +203,8 @@ def format_report(report: PteReport) -> str:
         for g in c.graphs:
             lines.append(
                 f"  graph {g.name}: {len(g.inputs)} inputs, {len(g.outputs)} outputs, constants {_mb(g.const_bytes)}, "
-                f"shared weights {_mb(g.shared_weights_bytes)}"
+                f"shared weights {_mb(g.shared_weights_bytes)}, spill-fill {_mb(g.spill_fill_bytes)}, IO "
+                f"{_mb(g.io_bytes)}, op data {_mb(g.op_data_bytes)}"
             )
             rows = [("io", "name", "dtype", "shape", "encoding")]
             rows += [("in", t.name, t.dtype, "x".join(map(str, t.shape)), _encoding_text(t.encoding)) for t in g.inputs]
