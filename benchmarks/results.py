@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import contexts  # noqa: E402
 import e2b_full  # noqa: E402
 import e2b_width  # noqa: E402
 import io_bytes  # noqa: E402
@@ -203,7 +204,7 @@ def render(results: dict) -> str:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
-        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json, matrix.json) by benchmarks/results.py; a row's `commit` column is "
+        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json, matrix.json, contexts.json) by benchmarks/results.py; a row's `commit` column is "
         "the commit it was measured on (`not recorded`: measured before rows recorded it). "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
@@ -261,7 +262,7 @@ def render(results: dict) -> str:
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
         + chat_section(stored("chat_reuse.json")) + profile_section(stored("lowering_profile.json"))
         + multi_soc_section(stored("multi_soc.json")) + matrix_section(stored("matrix.json"))
-        + runtimes_section(stored("ort_vs_executorch.json"))
+        + runtimes_section(stored("ort_vs_executorch.json")) + contexts.section(stored("contexts.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text

@@ -1,0 +1,249 @@
+"""Context length, measured: full-size Gemma-4-E2B/E4B exports at 4096, 8192 and 32768 tokens, and the demo model's
+emulator seconds per call against its context.
+
+`export` runs `optimum-cli export qnn` (benchmarks/e2b_full.run_export: the command users type, under
+`/usr/bin/time -v`, in a 16 GB memory cgroup) for one context and stores its row in benchmarks/contexts.json: exit
+status (the refusal's words when the preflight refused), wall time, peak memory, `.pte` size, each HTP graph's memory
+needs as `inspect` reads them (spill-fill buffer, IO buffers, op data), and the bytes that cross the graph boundary
+per decode and per prefill call (exact, from the variant's runner contract). `emulator` exports the demo model at
+several contexts (16a8w, weights not shared) and times decode and prefill calls on the x86 HTP emulator through
+the onnxruntime backend. `render` prints the tables RESULTS.md shows (benchmarks/results.py includes them).
+
+The SM8750 figure is an ESTIMATE, not a measurement: a decode step reads every cache input and writes the new
+column; at the SoC's peak DRAM bandwidth (LPDDR5X at 5300 MHz on a 64-bit bus: 84.8 GB/s) the cache traffic alone
+costs bytes / 84.8 GB/s. Real HTP reads reach a fraction of the peak, so the real cost is higher; the ratio to the
+weights' own read (the HTP contexts' bytes, read once per step) is what the table is for.
+
+Run the exports alone (each needs most of the machine's memory for 10-20 min):
+    python benchmarks/contexts.py export --model e2b --context 4096   # or 'default': no --max-seq-len
+    python benchmarks/contexts.py emulator --contexts 128 256 512 1024
+    python benchmarks/contexts.py render
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+ROWS = HERE / "contexts.json"
+SM8750_PEAK_GBPS = 84.8  # LPDDR5X-5300 (5300 MHz, double data rate) x 64-bit bus = 84.8 GB/s
+_BYTES = {"float32": 4, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1}
+
+
+def _load() -> dict:
+    return json.loads(ROWS.read_text()) if ROWS.is_file() else {"exports": {}, "emulator": {}}
+
+
+def _store(section: str, key: str, row: dict) -> None:
+    rows = _load()
+    rows.setdefault(section, {})[key] = row
+    ROWS.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "-C", str(HERE), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def call_bytes(contract) -> dict[str, dict[str, int]]:
+    """Bytes in and out of each method per call, and the KV caches' share of the inputs (the runner contract)."""
+    result = {}
+    for method in contract.methods:
+        def size(tensors):
+            return sum(math.prod(t.shape) * _BYTES[t.dtype] for t in tensors)
+
+        caches = [t for t in method.inputs if "cache" in t.name]
+        result[method.name] = {"in": size(method.inputs), "out": size(method.outputs), "kv_in": size(caches),
+                               "ar": method.ar_len}
+    return result
+
+
+def graph_needs(pte: Path) -> dict:
+    """Each HTP graph's memory needs as `inspect` reads them, summed over the shards: spill-fill, IO, op data."""
+    from optimum_qnn.artifacts.inspection import inspect_pte
+
+    needs: dict[str, dict[str, int]] = {}
+    for context in inspect_pte(pte).contexts:
+        for g in context.graphs:
+            method = g.name.split("_shard")[0] if "_shard" in g.name else g.name
+            row = needs.setdefault(method, {"spill_fill": 0, "io": 0, "op_data": 0, "graphs": 0})
+            row["graphs"] += 1
+            for key, value in (("spill_fill", g.spill_fill_bytes), ("io", g.io_bytes), ("op_data", g.op_data_bytes)):
+                row[key] += value or 0
+    return needs
+
+
+def export_row(model: str, context: str, extra: list[str], memory_limit: float, from_work: Path | None = None) -> dict:
+    """Run the export (or read the one already run into ``from_work``: its result.json, out.log and out/) and
+    return its row."""
+    import e2b_full
+
+    from optimum_qnn.artifacts.manifest import read_manifest
+
+    work = from_work or Path(f"/tmp/contexts-{model}-{context}")
+    flags = ([] if context == "default" else ["--max-seq-len", context]) + extra
+    if from_work is None:
+        folder = e2b_full.build(e2b_full.CACHE / "bench-models" / e2b_full.MODELS[model][1], model=model)
+        result = e2b_full.run_export(folder, work / "out", "SM8650", "16a4w_block", flags, memory_limit, allow_failure=True)
+        (work / "result.json").write_text(json.dumps(result, indent=1))
+    else:
+        result = json.loads((work / "result.json").read_text())
+    row = {"model": model, "context": context, "flags": flags, "commit": _commit(), "memory_limit_gb": memory_limit,
+           "exit": result.get("failed", 0), "wall_s": round(result["wall_s"], 1),
+           "max_rss_gb": result.get("max_rss_gb"), "cgroup_peak_gb": result.get("cgroup_peak_gb"),
+           "cpu_percent": result.get("cpu_percent"), "stages": result["stages"]}
+    if row["exit"]:
+        log = (work / "out.log").read_text()
+        row["error"] = next((line for line in log.splitlines() if line.startswith("error:")), result.get("log_tail", "")[-600:])
+        return row
+    pte = Path(result["pte"])
+    manifest = read_manifest(pte.parent)
+    contract = manifest.runner_contract()
+    row.update(pte_gb=result["pte_gb"], htp_gb=result["components"].get("htp_contexts"), context_len=contract.context_len,
+               cache_layout=getattr(contract, "cache_layout", None) and str(contract.cache_layout.value),
+               calls=call_bytes(contract), graphs=graph_needs(pte))
+    return row
+
+
+def demo_variant(context: int, work: Path) -> Path:
+    """The demo model exported as `make demo` does (16a8w hybrid, SM8650, prefill 16, weights not shared), at
+    ``context`` (reused when ``work`` holds it already)."""
+    found = sorted((work / f"demo-{context}").glob("qnn/*/*/manifest.json"))
+    if found:
+        return found[0].parent
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    import tiny_gemma4
+
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.quantization.calibration import CalibrationSource
+
+    cached = Path.home() / ".cache" / "optimum-qnn" / "test-models" / "demo-gemma4"
+    model_dir = cached if tiny_gemma4.is_built(cached) else tiny_gemma4.build(work / "model")
+    work.mkdir(parents=True, exist_ok=True)
+    calib = work / "calibration.txt"
+    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
+    config = ExportConfig(
+        socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.HYBRID,
+        shapes=ShapeConfig(max_seq_len=context, prefill_ar_len=16), weight_sharing=False,
+        embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
+    )
+    out = work / f"demo-{context}"
+    return export(model_dir, out, config, calibration=CalibrationSource(file=calib, limit=16)).variants[0]
+
+
+def emulator_rows(contexts: list[int], calls: int, work: Path) -> list[dict]:
+    """The demo variant at each context, its decode and prefill calls timed on the x86 HTP emulator through the
+    onnxruntime backend (benchmarks/ort_vs_executorch.child: random runner-contract inputs, the median of ``calls``)."""
+    import ort_vs_executorch
+
+    rows = []
+    for context in contexts:
+        variant = demo_variant(context, work)
+        timed = ort_vs_executorch.child("onnxruntime", variant, {"kv_forward": calls, "prefill_forward": max(3, calls // 4)})
+        row = {"context": context, "decode_s": timed["methods"]["kv_forward"]["median_s"],
+               "prefill_s": timed["methods"]["prefill_forward"]["median_s"], "calls": calls}
+        rows.append(row)
+        print(f"context {context}: prefill {row['prefill_s']:.3f} s/call, decode {row['decode_s']:.4f} s/call", flush=True)
+    return rows
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def estimate_ms(bytes_: int) -> float:
+    """ESTIMATE: milliseconds to move ``bytes_`` at SM8750's peak DRAM bandwidth."""
+    return bytes_ / (SM8750_PEAK_GBPS * 1e9) * 1e3
+
+
+def section(rows: dict) -> str:
+    """The markdown RESULTS.md shows: one row per full-size export, then the emulator's seconds per call."""
+    exports = rows.get("exports", {})
+    if not exports:
+        return ""
+    lines = [
+        "\n## Context length: full-size exports at 4K to 32K\n",
+        "benchmarks/contexts.py: `optimum-cli export qnn --soc SM8650 --quant 16a4w_block` on the random full-size "
+        "checkpoint (benchmarks/e2b_full.py), in a 16 GB memory cgroup, one context per run. KV MiB: the cache inputs "
+        "of one call (uint16); spill-fill / IO / op data: the HTP graphs' own needs as `inspect` reads them, summed "
+        "over the shards. **SM8750 ms (estimate)**: the decode call's cache bytes in and out at SM8750's peak DRAM "
+        f"bandwidth ({SM8750_PEAK_GBPS} GB/s, LPDDR5X-5300 x 64 bit); the weights' own read per step beside it (HTP "
+        "contexts' bytes at the same bandwidth). A lower bound: the HTP reaches a fraction of the peak.\n",
+        "| model | context | flags | exit | wall s | peak GB | .pte GB | decode KV MiB in | decode MiB in/out "
+        "| prefill MiB in/out | spill-fill MiB | decode IO / op data MiB | SM8750 ms: cache / weights (estimate) | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in exports.items():
+        flags = " ".join(r["flags"]) or "(none)"
+        peak = r.get("cgroup_peak_gb") or r.get("max_rss_gb")
+        peak_text = "-" if peak is None else f"{peak:.1f}"
+        if r["exit"]:
+            lines.append(f"| {r['model']} | {r['context']} | `{flags}` | {r['exit']} | {r['wall_s']:.0f} | {peak_text} | - "
+                         f"| - | - | - | - | - | - | {r['commit']} |")
+            continue
+        calls = r["calls"]
+        decode = calls.get("kv_forward") or next(iter(calls.values()))
+        prefill = calls.get("prefill_forward")
+        graphs = r["graphs"]
+        dg = next((v for k, v in graphs.items() if k.startswith("kv_forward")), None) or {}
+        spill = sum(g["spill_fill"] for g in graphs.values())
+        cache_ms = estimate_ms(decode["kv_in"] + decode["out"])
+        weights_ms = estimate_ms((r.get("htp_gb") or 0) * 2**30 / (2 if prefill else 1))
+        lines.append(
+            f"| {r['model']} | {r['context_len']} | `{flags}` | 0 | {r['wall_s']:.0f} | {peak_text} | {r['pte_gb']:.2f} "
+            f"| {_mib(decode['kv_in'])} | {_mib(decode['in'])} / {_mib(decode['out'])} "
+            f"| {_mib(prefill['in']) if prefill else '-'} / {_mib(prefill['out']) if prefill else '-'} | {_mib(spill)} "
+            f"| {_mib(dg.get('io'))} / {_mib(dg.get('op_data'))} | {cache_ms:.2f} / {weights_ms:.1f} | {r['commit']} |"
+        )
+    refused = [r for r in exports.values() if r["exit"] and r.get("error")]
+    for r in refused:
+        lines.append(f"\n{r['model']} at {r['context']} (`{' '.join(r['flags'])}`), exit {r['exit']} after "
+                     f"{r['wall_s']:.0f} s: {r['error']}")
+    emulator = rows.get("emulator", {})
+    if emulator:
+        lines += ["", "The demo model (16a8w, weights not shared) on the x86 HTP emulator through the onnxruntime "
+                  "backend, the median seconds per call (prefill: 16 tokens a call):", "",
+                  "| context | prefill s/call | decode s/call | commit |", "|---|---|---|---|"]
+        for key, r in emulator.items():
+            lines.append(f"| {r['context']} | {r['prefill_s']:.3f} | {r['decode_s']:.4f} | {r['commit']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("export")
+    p.add_argument("--model", choices=("e2b", "e4b"), default="e2b")
+    p.add_argument("--context", required=True, help="a --max-seq-len, or 'default' (no flag)")
+    p.add_argument("--memory-limit", type=float, default=16.0)
+    p.add_argument("--from-work", type=Path, help="store the row of an export already run into this folder")
+    p.add_argument("extra", nargs="*", help="more export flags (after --)")
+    e = sub.add_parser("emulator")
+    e.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024])
+    e.add_argument("--calls", type=int, default=20)
+    e.add_argument("--work", type=Path, default=Path("/tmp/contexts-demo"))
+    sub.add_parser("render")
+    args = parser.parse_args()
+    if args.command == "export":
+        row = export_row(args.model, args.context, args.extra, args.memory_limit, args.from_work)
+        key = f"{args.model}@{args.context}" + (" " + " ".join(args.extra) if args.extra else "")
+        _store("exports", key, row)
+    elif args.command == "emulator":
+        for row in emulator_rows(args.contexts, args.calls, args.work):
+            row["commit"] = _commit()
+            _store("emulator", str(row["context"]), row)
+    print(section(_load()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
