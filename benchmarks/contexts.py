@@ -113,33 +113,6 @@ def export_row(model: str, context: str, extra: list[str], memory_limit: float, 
     return row
 
 
-def demo_variant(context: int, work: Path) -> Path:
-    """The demo model exported as `make demo` does (16a8w hybrid, SM8650, prefill 16, weights not shared), at
-    ``context`` (reused when ``work`` holds it already)."""
-    found = sorted((work / f"demo-{context}").glob("qnn/*/*/manifest.json"))
-    if found:
-        return found[0].parent
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    import tiny_gemma4
-
-    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.exporter.pipeline import export
-    from optimum_qnn.quantization.calibration import CalibrationSource
-
-    cached = Path.home() / ".cache" / "optimum-qnn" / "test-models" / "demo-gemma4"
-    model_dir = cached if tiny_gemma4.is_built(cached) else tiny_gemma4.build(work / "model")
-    work.mkdir(parents=True, exist_ok=True)
-    calib = work / "calibration.txt"
-    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
-    config = ExportConfig(
-        socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.HYBRID,
-        shapes=ShapeConfig(max_seq_len=context, prefill_ar_len=16), weight_sharing=False,
-        embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
-    )
-    out = work / f"demo-{context}"
-    return export(model_dir, out, config, calibration=CalibrationSource(file=calib, limit=16)).variants[0]
-
-
 def emulator_rows(contexts: list[int], calls: int, work: Path) -> list[dict]:
     """The demo variant at each context, its decode and prefill calls timed on the x86 HTP emulator through the
     onnxruntime backend (benchmarks/ort_vs_executorch.child: random runner-contract inputs, the median of ``calls``)."""
@@ -147,7 +120,7 @@ def emulator_rows(contexts: list[int], calls: int, work: Path) -> list[dict]:
 
     rows = []
     for context in contexts:
-        variant = demo_variant(context, work)
+        variant = ort_vs_executorch.build_demo_variant(work / f"demo-{context}", context)
         timed = ort_vs_executorch.child("onnxruntime", variant, {"kv_forward": calls, "prefill_forward": max(3, calls // 4)})
         row = {"context": context, "decode_s": timed["methods"]["kv_forward"]["median_s"],
                "prefill_s": timed["methods"]["prefill_forward"]["median_s"], "calls": calls}

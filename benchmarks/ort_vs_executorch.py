@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 RUNTIMES = ("onnxruntime", "executorch")
 
 
-def build_demo_variant(work: Path) -> Path:
-    """The demo model exported like `examples/demo.py` (reused when --work already holds it)."""
+def build_demo_variant(work: Path, context: int = 128) -> Path:
+    """The demo model exported like `examples/demo.py`, at ``context`` (reused when --work already holds it)."""
     found = sorted(work.glob("artifact/qnn/*/*/manifest.json"))
     if found:
         return found[0].parent
@@ -46,7 +46,7 @@ def build_demo_variant(work: Path) -> Path:
     calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
     config = ExportConfig(
         socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.HYBRID,
-        shapes=ShapeConfig(max_seq_len=128, prefill_ar_len=16), embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
+        shapes=ShapeConfig(max_seq_len=context, prefill_ar_len=16), embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
         weight_sharing=False,
     )
     return export(model_dir, work / "artifact", config, calibration=CalibrationSource(file=calib, limit=16)).variants[0]
