@@ -90,13 +90,14 @@ def export_row(model: str, context: str, extra: list[str], memory_limit: float, 
 
     work = from_work or Path(f"/tmp/contexts-{model}-{context}")
     flags = ([] if context == "default" else ["--max-seq-len", context]) + extra
+    commit = _commit()  # the code the export runs, before anything else changes the tree
     if from_work is None:
         folder = e2b_full.build(e2b_full.CACHE / "bench-models" / e2b_full.MODELS[model][1], model=model)
         result = e2b_full.run_export(folder, work / "out", "SM8650", "16a4w_block", flags, memory_limit, allow_failure=True)
         (work / "result.json").write_text(json.dumps(result, indent=1))
     else:
         result = json.loads((work / "result.json").read_text())
-    row = {"model": model, "context": context, "flags": flags, "commit": _commit(), "memory_limit_gb": memory_limit,
+    row = {"model": model, "context": context, "flags": flags, "commit": commit, "memory_limit_gb": memory_limit,
            "exit": result.get("failed", 0), "wall_s": round(result["wall_s"], 1),
            "max_rss_gb": result.get("max_rss_gb"), "cgroup_peak_gb": result.get("cgroup_peak_gb"),
            "cpu_percent": result.get("cpu_percent"), "stages": result["stages"]}
