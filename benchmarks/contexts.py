@@ -74,14 +74,16 @@ def graph_needs(pte: Path) -> dict:
     for context in inspect_pte(pte).contexts:
         for g in context.graphs:
             method = g.name.split("_shard")[0] if "_shard" in g.name else g.name
-            row = needs.setdefault(method, {"spill_fill": 0, "io": 0, "op_data": 0, "graphs": 0})
+            row = needs.setdefault(method, {"spill_fill": 0, "io": 0, "op_data": 0, "weights": 0, "graphs": 0})
             row["graphs"] += 1
+            row["weights"] += g.shared_weights_bytes or g.const_bytes or 0  # what one call of the graph reads
             for key, value in (("spill_fill", g.spill_fill_bytes), ("io", g.io_bytes), ("op_data", g.op_data_bytes)):
                 row[key] += value or 0
     return needs
 
 
-def export_row(model: str, context: str, extra: list[str], memory_limit: float, from_work: Path | None = None) -> dict:
+def export_row(model: str, context: str, extra: list[str], memory_limit: float, from_work: Path | None = None,
+               commit: str | None = None) -> dict:
     """Run the export (or read the one already run into ``from_work``: its result.json, out.log and out/) and
     return its row."""
     import e2b_full
@@ -90,7 +92,7 @@ def export_row(model: str, context: str, extra: list[str], memory_limit: float, 
 
     work = from_work or Path(f"/tmp/contexts-{model}-{context}")
     flags = ([] if context == "default" else ["--max-seq-len", context]) + extra
-    commit = _commit()  # the code the export runs, before anything else changes the tree
+    commit = commit or _commit()  # the code the export runs, before anything else changes the tree
     if from_work is None:
         folder = e2b_full.build(e2b_full.CACHE / "bench-models" / e2b_full.MODELS[model][1], model=model)
         result = e2b_full.run_export(folder, work / "out", "SM8650", "16a4w_block", flags, memory_limit, allow_failure=True)
@@ -152,13 +154,13 @@ def section(rows: dict) -> str:
         "over the shards. **SM8750 ms (estimate)**: the decode call's cache bytes in and out at SM8750's peak DRAM "
         f"bandwidth ({SM8750_PEAK_GBPS} GB/s, LPDDR5X-5300 x 64 bit); the weights' own read per step beside it (HTP "
         "contexts' bytes at the same bandwidth). A lower bound: the HTP reaches a fraction of the peak.\n",
-        "| model | context | flags | exit | wall s | peak GB | .pte GB | decode KV MiB in | decode MiB in/out "
+        "| model | context | flags | exit | wall s | peak RSS GB | .pte GB | decode KV MiB in | decode MiB in/out "
         "| prefill MiB in/out | spill-fill MiB | decode IO / op data MiB | SM8750 ms: cache / weights (estimate) | commit |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in exports.items():
         flags = " ".join(r["flags"]) or "(none)"
-        peak = r.get("cgroup_peak_gb") or r.get("max_rss_gb")
+        peak = r.get("max_rss_gb")  # the export's peak RSS (the cgroup's own peak counts the page cache it filled)
         peak_text = "-" if peak is None else f"{peak:.1f}"
         if r["exit"]:
             lines.append(f"| {r['model']} | {r['context']} | `{flags}` | {r['exit']} | {r['wall_s']:.0f} | {peak_text} | - "
@@ -171,13 +173,16 @@ def section(rows: dict) -> str:
         dg = next((v for k, v in graphs.items() if k.startswith("kv_forward")), None) or {}
         spill = sum(g["spill_fill"] for g in graphs.values())
         cache_ms = estimate_ms(decode["kv_in"] + decode["out"])
-        weights_ms = estimate_ms((r.get("htp_gb") or 0) * 2**30 / (2 if prefill else 1))
+        weights_ms = estimate_ms(dg.get("weights", 0))
         lines.append(
             f"| {r['model']} | {r['context_len']} | `{flags}` | 0 | {r['wall_s']:.0f} | {peak_text} | {r['pte_gb']:.2f} "
             f"| {_mib(decode['kv_in'])} | {_mib(decode['in'])} / {_mib(decode['out'])} "
             f"| {_mib(prefill['in']) if prefill else '-'} / {_mib(prefill['out']) if prefill else '-'} | {_mib(spill)} "
             f"| {_mib(dg.get('io'))} / {_mib(dg.get('op_data'))} | {cache_ms:.2f} / {weights_ms:.1f} | {r['commit']} |"
         )
+    for r in exports.values():
+        if r.get("note"):
+            lines.append(f"\n{r['model']} at {r['context']}: {r['note']}")
     refused = [r for r in exports.values() if r["exit"] and r.get("error")]
     for r in refused:
         lines.append(f"\n{r['model']} at {r['context']} (`{' '.join(r['flags'])}`), exit {r['exit']} after "
@@ -200,6 +205,8 @@ def main() -> int:
     p.add_argument("--context", required=True, help="a --max-seq-len, or 'default' (no flag)")
     p.add_argument("--memory-limit", type=float, default=16.0)
     p.add_argument("--from-work", type=Path, help="store the row of an export already run into this folder")
+    p.add_argument("--commit", help="with --from-work: the commit that export ran")
+    p.add_argument("--note", help="what the row should say beside it (e.g. what else ran then)")
     p.add_argument("extra", nargs="*", help="more export flags (after --)")
     e = sub.add_parser("emulator")
     e.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024])
@@ -208,7 +215,9 @@ def main() -> int:
     sub.add_parser("render")
     args = parser.parse_args()
     if args.command == "export":
-        row = export_row(args.model, args.context, args.extra, args.memory_limit, args.from_work)
+        row = export_row(args.model, args.context, args.extra, args.memory_limit, args.from_work, args.commit)
+        if args.note:
+            row["note"] = args.note
         key = f"{args.model}@{args.context}" + (" " + " ".join(args.extra) if args.extra else "")
         _store("exports", key, row)
     elif args.command == "emulator":
