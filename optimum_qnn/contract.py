@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PREFILL_METHOD = "prefill_forward"
 DECODE_METHOD = "kv_forward"
+# An MTP drafter (Gemma 4's assistant) beside the target: see docs/assistant.md.
+DRAFT_METHOD = "draft_forward"
 
 
 class AttentionKind(enum.Enum):
@@ -299,3 +301,31 @@ def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, 
     outputs += [TensorSpec(f"k_new_{l.index}", (1, l.kv_heads, l.head_dim, ar), "float32") for l in owners]
     outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]
     return MethodSpec(name, ar, tuple(inputs), tuple(outputs))
+
+
+def draft_method(contract: RunnerContract, sources: dict[AttentionKind, LayerSpec], hidden_size: int) -> MethodSpec:
+    """The IO of one MTP drafter step beside ``contract``'s target (docs/assistant.md).
+
+    Inputs, in order: ``tokens`` int64 [1, 1]; ``hidden`` float [1, 1, hidden_size] (the target's last hidden state,
+    or the drafter's previous ``hidden_out``); ``atten_mask`` and ``sliding_atten_mask`` float [1, 1, 1, slots] (the
+    cache columns only, `ops.mask.draft_mask`); ``input_pos`` int32 [1, 1]; then the K caches and the V caches of the
+    target's source layers (``sources``, full then sliding), named and shaped as in the target's decode method, so the
+    host hands the drafter the very buffers the target reads. Outputs: ``logits`` [1, 1, vocab]; ``hidden_out``
+    [1, 1, hidden_size].
+    """
+    decode = {t.name: t for t in contract.method(DECODE_METHOD).inputs}
+    layers = [sources[AttentionKind.FULL], sources[AttentionKind.SLIDING]]
+    k = [decode[f"k_cache_{layer.index}"] for layer in layers]
+    v = [decode[f"v_cache_{layer.index}"] for layer in layers]
+    inputs = [
+        TensorSpec("tokens", (1, 1), "int64"),
+        TensorSpec("hidden", (1, 1, hidden_size), "float32"),
+        TensorSpec("atten_mask", (1, 1, 1, k[0].shape[-1]), "float32"),
+        TensorSpec("sliding_atten_mask", (1, 1, 1, k[1].shape[-1]), "float32"),
+        TensorSpec("input_pos", (1, 1), "int32"),
+        *k,
+        *v,
+    ]
+    outputs = [TensorSpec("logits", (1, 1, contract.vocab_size), "float32"),
+               TensorSpec("hidden_out", (1, 1, hidden_size), "float32")]
+    return MethodSpec(DRAFT_METHOD, 1, tuple(inputs), tuple(outputs))

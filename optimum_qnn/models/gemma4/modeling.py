@@ -145,10 +145,11 @@ def greedy_generate(session: KVSession, input_ids: torch.Tensor, max_new_tokens:
     return torch.tensor(out, dtype=torch.long).unsqueeze(0)
 
 
-def check_adoption(hf_model: nn.Module, static: nn.Module) -> None:
+def check_adoption(hf_model: nn.Module, static: nn.Module, borrowed: nn.Module | None = None) -> None:
     """nanoGPT-style strict check: every text-decoder parameter of ``hf_model`` is used by ``static`` as is.
 
-    Parameters outside the text decoder (vision/audio towers of a multimodal model) are not expected.
+    Parameters outside the text decoder (vision/audio towers of a multimodal model) are not expected. ``borrowed``
+    is a module of another model that ``static`` uses too (a drafter reads its target's embedding).
     """
     static_ids = {id(p) for p in static.parameters()}
     missing = [
@@ -158,7 +159,7 @@ def check_adoption(hf_model: nn.Module, static: nn.Module) -> None:
     ]
     if missing:
         raise SwapError(f"{len(missing)} Hugging Face parameters were not adopted by the static model: {missing[:8]}")
-    hf_ids = {id(p) for p in hf_model.parameters()}
+    hf_ids = {id(p) for p in hf_model.parameters()} | {id(p) for p in (borrowed.parameters() if borrowed else ())}
     extra = [name for name, p in static.named_parameters() if id(p) not in hf_ids]
     if extra:
         raise SwapError(f"The static model has parameters that are not the Hugging Face ones: {extra[:8]}")
