@@ -35,7 +35,9 @@ def buildable_assistant_config(config: PretrainedConfig) -> PretrainedConfig:
     Its text config reuses K/V in every layer, and 5.23.0's ``Gemma4TextConfig.kv_sharing_modes`` raises when no layer
     produces a cache ("The set of layer types producing a cache is different..."), so `Gemma4AssistantForCausalLM`
     cannot be built as shipped. This one instance answers ``"reuse"`` for every layer (through its own
-    ``attribute_map``, which `PretrainedConfig.__getattribute__` reads first); the class stays untouched.
+    ``attribute_map``, which `PretrainedConfig.__getattribute__` reads first); the class stays untouched. The two
+    keys it adds are serialized by ``save_pretrained`` (and read back as the same override): keep the checkpoint's
+    own config.json where one is published.
     """
     text = config.get_text_config()
     modes = ["reuse"] * text.num_hidden_layers
