@@ -39,7 +39,7 @@ class StaticCausalLM:
     @classmethod
     def from_hf(
         cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False,
-        cache_layout: CacheLayout = CacheLayout.FULL,
+        cache_layout: CacheLayout = CacheLayout.FULL, hidden_output: bool = False,
     ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
@@ -51,6 +51,8 @@ class StaticCausalLM:
                 HTP computes correctly when quantized; see ``ops/softcap.py``).
             cache_layout: ``CacheLayout.RING`` gives sliding layers caches of ``sliding_window`` slots (a ring); the
                 full layout, which ExecuTorch's C++ runner reads, gives every cache ``C - ar``.
+            hidden_output: every method also returns the final hidden state ``hidden`` ``[1, ar, hidden_size]``
+                (after the norm), last: what a Gemma 4 assistant beside the target reads (docs/assistant.md).
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -83,7 +85,7 @@ class StaticCausalLM:
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
         options = StaticOptions(max_context_len=max_context_len, quantized=quantized, ar_lens=tuple(ar_lens.values()),
-                                ring_len=ring)
+                                ring_len=ring, hidden_output=hidden_output)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)
@@ -94,6 +96,7 @@ class StaticCausalLM:
             ar_lens=ar_lens,
             sliding_window=window,
             cache_layout=cache_layout,
+            hidden_size=text_config.hidden_size if hidden_output else None,
         )
         logger.info("Swapped %d modules:\n%s", len(report.swapped), report.table())
         return cls(module, contract, report, text_config)

@@ -100,3 +100,35 @@ def test_every_assistant_parameter_is_adopted_and_the_contract_names_the_target_
     assert all(t.shape == decode[t.name] for t in drafter.method.inputs[5:])
     assert [t.shape for t in drafter.method.outputs] == [(1, 1, config.vocab_size), (1, 1, config.hidden_size)]
     assert [tuple(x.shape) for x in drafter.example_inputs()] == [t.shape for t in drafter.method.inputs]
+
+
+def test_a_target_built_for_an_assistant_also_returns_its_last_hidden_state() -> None:
+    """``hidden_output``: every method returns the final hidden state last, equal (1e-4) to transformers'
+    ``hidden_states[-1]`` over a prefill chunk and decode steps past the window; without it the contract is as it was."""
+    config = tiny_config()
+    target = tiny_model(config, seed=5)
+    plain = StaticCausalLM.from_hf(target, max_context_len=CTX, ar_len=4)
+    static = StaticCausalLM.from_hf(target, max_context_len=CTX, ar_len=4, hidden_output=True)
+    for with_hidden, without in zip(static.contract.methods, plain.contract.methods):
+        assert with_hidden.inputs == without.inputs
+        assert with_hidden.outputs[:-1] == without.outputs
+        assert (with_hidden.outputs[-1].name, with_hidden.outputs[-1].shape) == ("hidden", (1, with_hidden.ar_len, 64))
+    rows: list[torch.Tensor] = []
+
+    def recording(fn):
+        def run(inputs):
+            outputs = fn(inputs)
+            rows.append(outputs[-1])
+            return outputs
+        return run
+
+    session = static.session()
+    session.methods = {name: recording(fn) for name, fn in session.methods.items()}
+    ids = torch.randint(3, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(6))
+    session.feed(ids[0, :8])
+    for t in range(8, 20):
+        session.feed(ids[0, t : t + 1])
+    got = torch.cat([r[0] for r in rows])
+    with torch.no_grad():
+        expected = target(ids, output_hidden_states=True, use_cache=False).hidden_states[-1][0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
