@@ -119,7 +119,6 @@ class DrafterOptions:
 
     max_context_len: int
     target_embedding: nn.Module
-    quantized: bool = False
 
 
 # The class is its own factory: it is built from the Hugging Face module and the swap context.
