@@ -127,6 +127,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     src_grp = parser.add_argument_group("source model")
     src_grp.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     src_grp.add_argument("--allow-pickle", action="store_true", help="accept a checkpoint with only pickle .bin weights")
+    src_grp.add_argument("--assistant", metavar="REPO_OR_DIR",
+                         help="a Gemma 4 assistant (MTP drafter, e.g. google/gemma-4-e2b-it-assistant) for the target: "
+                              "checked against it (vocabulary, width, attention heads) before any work; lowering it "
+                              "into the variant is not built yet (docs/assistant.md)")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
@@ -216,7 +220,7 @@ def run_export(args: argparse.Namespace) -> int:
             results = export_matrix(
                 args.model, args.output, configs, revision=args.revision, calibration=calibration,
                 allow_pickle=args.allow_pickle, evaluate=args.evaluate, evaluate_tokens=args.evaluate_tokens,
-                check_weight_sharing=args.check_weight_sharing, ray=args.ray,
+                check_weight_sharing=args.check_weight_sharing, ray=args.ray, assistant=args.assistant,
             )
     except OptimumQnnError as e:
         for result in getattr(e, "results", ()):  # a matrix whose failed cells did not stop the others

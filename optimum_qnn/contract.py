@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PREFILL_METHOD = "prefill_forward"
 DECODE_METHOD = "kv_forward"
+# An MTP drafter (Gemma 4's assistant) beside the target: see docs/assistant.md.
+DRAFT_METHOD = "draft_forward"
 
 
 class AttentionKind(enum.Enum):
@@ -120,6 +122,7 @@ class RunnerContract:
     ``input_pos`` int32 [1, ar]; one ``k_cache_{i}`` [1, kv_heads, head_dim, C - ar] per cache-owning layer i
     (K stored transposed); one ``v_cache_{i}`` [1, kv_heads, C - ar, head_dim] per cache-owning layer.
     Outputs: ``logits`` [1, ar, vocab]; ``k_new_{i}`` [1, kv_heads, head_dim, ar]; ``v_new_{i}`` [1, kv_heads, ar, head_dim].
+    A variant built with an assistant (docs/assistant.md) also outputs ``hidden`` [1, ar, hidden_size], last.
 
     With ``cache_layout`` ring, a sliding layer's caches hold ``ring_len`` (= sliding_window) slots instead of
     ``C - ar``, and ``sliding_atten_mask`` is ``[1, 1, ar, ring_len + ar]`` (ring slots, then the call's own tokens).
@@ -145,11 +148,13 @@ class RunnerContract:
         ar_lens: dict[str, int],
         sliding_window: int | None,
         cache_layout: CacheLayout = CacheLayout.FULL,
+        hidden_size: int | None = None,
     ) -> "RunnerContract":
-        """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call."""
+        """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call;
+        ``hidden_size``: every method also outputs ``hidden`` [1, ar, hidden_size], last (variants with an assistant)."""
         ring = check_ring(cache_layout, layers, context_len, sliding_window)
         methods = tuple(
-            _method_spec(name, ar, layers, vocab_size, context_len, ring) for name, ar in ar_lens.items()
+            _method_spec(name, ar, layers, vocab_size, context_len, ring, hidden_size) for name, ar in ar_lens.items()
         )
         return cls(context_len, vocab_size, sliding_window, layers, methods, cache_layout=cache_layout)
 
@@ -278,7 +283,7 @@ def check_ring(layout: CacheLayout, layers: tuple[LayerSpec, ...], context_len: 
 
 
 def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int,
-                 ring: int | None = None) -> MethodSpec:
+                 ring: int | None = None, hidden_size: int | None = None) -> MethodSpec:
     if not 0 < ar < context_len:
         raise ValueError(f"ar_len {ar} of method {name} must be in [1, {context_len - 1}]")
     owners = [layer for layer in layers if layer.owns_cache]
@@ -298,4 +303,34 @@ def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, 
     outputs = [TensorSpec("logits", (1, ar, vocab), "float32")]
     outputs += [TensorSpec(f"k_new_{l.index}", (1, l.kv_heads, l.head_dim, ar), "float32") for l in owners]
     outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]
+    if hidden_size is not None:
+        outputs.append(TensorSpec("hidden", (1, ar, hidden_size), "float32"))
     return MethodSpec(name, ar, tuple(inputs), tuple(outputs))
+
+
+def draft_method(contract: RunnerContract, sources: dict[AttentionKind, LayerSpec], hidden_size: int) -> MethodSpec:
+    """The IO of one MTP drafter step beside ``contract``'s target (docs/assistant.md).
+
+    Inputs, in order: ``tokens`` int64 [1, 1]; ``hidden`` float [1, 1, hidden_size] (the target's last hidden state,
+    or the drafter's previous ``hidden_out``); ``atten_mask`` and ``sliding_atten_mask`` float [1, 1, 1, slots] (the
+    cache columns only, `ops.mask.draft_mask`); ``input_pos`` int32 [1, 1]; then the K caches and the V caches of the
+    target's source layers (``sources``, full then sliding), named and shaped as in the target's decode method, so the
+    host hands the drafter the very buffers the target reads. Outputs: ``logits`` [1, 1, vocab]; ``hidden_out``
+    [1, 1, hidden_size].
+    """
+    decode = {t.name: t for t in contract.method(DECODE_METHOD).inputs}
+    layers = [sources[AttentionKind.FULL], sources[AttentionKind.SLIDING]]
+    k = [decode[f"k_cache_{layer.index}"] for layer in layers]
+    v = [decode[f"v_cache_{layer.index}"] for layer in layers]
+    inputs = [
+        TensorSpec("tokens", (1, 1), "int64"),
+        TensorSpec("hidden", (1, 1, hidden_size), "float32"),
+        TensorSpec("atten_mask", (1, 1, 1, k[0].shape[-1]), "float32"),
+        TensorSpec("sliding_atten_mask", (1, 1, 1, k[1].shape[-1]), "float32"),
+        TensorSpec("input_pos", (1, 1), "int32"),
+        *k,
+        *v,
+    ]
+    outputs = [TensorSpec("logits", (1, 1, contract.vocab_size), "float32"),
+               TensorSpec("hidden_out", (1, 1, hidden_size), "float32")]
+    return MethodSpec(DRAFT_METHOD, 1, tuple(inputs), tuple(outputs))

@@ -50,7 +50,12 @@ def tiny_model(config: Gemma4TextConfig, seed: int = 0) -> Gemma4ForCausalLM:
     so that a static twin that forgot one of them fails parity."""
     torch.manual_seed(seed)
     config._attn_implementation = "eager"
-    model = Gemma4ForCausalLM(config).eval()
+    return perturbed(Gemma4ForCausalLM(config).eval())
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a Gemma4 text model or a drafter around one) with its norms, matrices and layer scalars moved away
+    from their init, in place."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

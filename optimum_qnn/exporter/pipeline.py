@@ -159,6 +159,7 @@ def export(
     evaluate_tokens: int = DEFAULT_MAX_TOKENS,
     check_weight_sharing: bool = False,
     cluster=None,
+    assistant: str | Path | None = None,
 ) -> ExportResult:
     """Export a Gemma4 text model to one QNN variant per SoC under ``output``.
 
@@ -182,6 +183,9 @@ def export(
             and that the shared one stores its weights once (`inspection.sharing_check`).
         cluster: an `optimum_qnn.exporter.cluster.RayMatrix`: the SoC-specific lowerings run as its tasks and this
             returns once they are submitted; the variants are written as `cluster.collect()` receives them.
+        assistant: a Gemma 4 assistant (MTP drafter: Hub id or folder) for this target, checked against it before
+            the target's weights are read (docs/assistant.md); its lowering is not built yet, so one that fits is
+            refused too.
 
     Returns:
         The variant folders written and per-stage wall time / peak RSS.
@@ -189,7 +193,7 @@ def export(
     Raises:
         OptimumQnnError: for every failure a user can cause (`InvalidInputError`, `CheckpointError`, `HubError`...).
     """
-    check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens)
+    check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens, assistant)
     if cluster is not None and check_weight_sharing:
         raise InvalidInputError(_NO_SHARING_CHECK_ON_RAY)
     evaluate = None if evaluate is None else Path(evaluate)
@@ -201,7 +205,7 @@ def export(
         check_output_folder(result.output)  # fail in a second, not after calibration and lowering
         return _export(
             str(model), result, config, revision, calibration, texts, allow_pickle, evaluate, evaluate_tokens,
-            check_weight_sharing, cluster,
+            check_weight_sharing, cluster, None if assistant is None else str(assistant),
         )
     except BaseException:
         if created is not None and not result.variants:
@@ -241,7 +245,7 @@ def export_matrix(
         raise InvalidInputError(_NO_SHARING_CHECK_ON_RAY)
     for config in configs:  # every config's arguments are checked before the cluster is touched
         check_arguments(model, output, config, options.get("revision"), options.get("calibration"),
-                        options.get("evaluate"), options.get("evaluate_tokens", DEFAULT_MAX_TOKENS))
+                        options.get("evaluate"), options.get("evaluate_tokens", DEFAULT_MAX_TOKENS), options.get("assistant"))
     created = first_missing(Path(output))
     results: list[ExportResult] = []
     try:
@@ -259,11 +263,12 @@ def export_matrix(
 
 def _export(model: str, result: ExportResult, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
             texts: list[str] | None, allow_pickle: bool, evaluate: Path | None, evaluate_tokens: int,
-            check_weight_sharing: bool, cluster) -> ExportResult:
+            check_weight_sharing: bool, cluster, assistant: str | None = None) -> ExportResult:
     output = result.output
     with _stage(result, "load"):
         folder = resolve_model_folder(model, revision=revision, allow_pickle=allow_pickle)
-        tokenizer, config, memory = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate)
+        tokenizer, config, memory = preflight(model, folder, config, revision, calibration, allow_pickle, evaluate,
+                                              assistant=assistant)
         stage_logger.info("%s", memory.summary())
         if cluster is not None:
             cluster.check_fits(memory)  # before any weight is read

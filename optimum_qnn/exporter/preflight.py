@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 stage_logger = logging.getLogger("optimum_qnn.stages")  # shown without -v
 
 
-def check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens) -> None:
+def check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens, assistant=None) -> None:
     """The Python API's arguments, checked with the CLI's messages (wrong types included)."""
     if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
         raise InvalidInputError(f"model must be a Hub id or a folder path; got {model!r}")
@@ -42,6 +42,8 @@ def check_arguments(model, output, config, revision, calibration, evaluate, eval
         raise InvalidInputError(f"calibration must be a CalibrationSource; got {type(calibration).__name__}")
     if evaluate is not None and not isinstance(evaluate, (str, os.PathLike)):
         raise InvalidInputError(f"evaluate must be a text file path; got {evaluate!r}")
+    if assistant is not None and (not isinstance(assistant, (str, os.PathLike)) or not str(assistant).strip()):
+        raise InvalidInputError(f"assistant must be a Hub id or a folder path; got {assistant!r}")
     if isinstance(evaluate_tokens, bool) or not isinstance(evaluate_tokens, int) or evaluate_tokens < 1:
         raise InvalidInputError(f"--evaluate-tokens must be a positive integer; got {evaluate_tokens!r}")
 
@@ -68,7 +70,8 @@ def source_model_id(model: str, folder: Path) -> str:
 
 
 def preflight(model: str, folder: Path, config: ExportConfig, revision: str | None, calibration: CalibrationSource,
-              allow_pickle: bool, evaluate: Path | None) -> tuple[object, ExportConfig, MemoryPlan]:
+              allow_pickle: bool, evaluate: Path | None, *, assistant: str | None = None,
+              ) -> tuple[object, ExportConfig, MemoryPlan]:
     """Every check that needs the checkpoint folder but not its tensors. Returns the tokenizer (or None), the
     config with its embedding quantization and shard count resolved, and the memory plan (estimates) behind them."""
     if revision is not None and Path(model).expanduser().is_dir():
@@ -84,6 +87,8 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
         )
     config.check_shards(text_config.num_hidden_layers)  # a bad --shards fails here
     check_cache_layout(text_config, config)
+    if assistant is not None:
+        check_assistant(assistant, model, text_config)
     widths = (text_config.hidden_size,)
     if text_config.hidden_size_per_layer_input:
         widths += (text_config.num_hidden_layers * text_config.hidden_size_per_layer_input,)
@@ -205,3 +210,23 @@ def load_tokenizer(folder: Path):
             f"The tokenizer in {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}): a tokenizer file is corrupt "
             "or an incomplete download. Download the model again, or remove the tokenizer files to export without one"
         ) from None
+
+
+def check_assistant(assistant: str, model: str, text_config) -> None:
+    """``--assistant``, from its config alone, before the target's weights are read: a Gemma 4 assistant whose
+    vocabulary, width and attention heads fit the target (`assistant.check_assistant_ties`).
+
+    Lowering the drafter into the target's variant is not built yet, so an assistant that fits is refused too, with
+    that reason, rather than silently left out of the artifact. A Hub assistant is read at its default branch
+    (``--revision`` is the target's).
+    """
+    from optimum_qnn.artifacts.hub import resolve_model_folder
+    from optimum_qnn.models.gemma4.assistant import check_assistant_ties
+    from optimum_qnn.models.gemma4.loading import read_assistant_config
+
+    folder = resolve_model_folder(assistant)
+    check_assistant_ties(read_assistant_config(folder), text_config, assistant_name=assistant, target_name=model)
+    raise InvalidInputError(
+        f"--assistant {assistant} fits {model}, but lowering the drafter into the target's variant is not built yet "
+        "(its static twins are: optimum_qnn.models.gemma4.assistant.StaticDrafter); export without --assistant"
+    )

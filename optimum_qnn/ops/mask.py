@@ -142,3 +142,40 @@ def window_band(ar_len: int, context_len: int, window: int, dtype: "torch.dtype 
     band = torch.zeros((ar_len, context_len), dtype=dtype or torch.float32)
     band[:, context_len - ar_len :].masked_fill_((rows - cols) >= window, MASK_MIN)
     return band.view(1, 1, ar_len, context_len)
+
+
+def draft_mask(
+    context_len: int,
+    n_past: int,
+    *,
+    window: int | None = None,
+    ring_len: int | None = None,
+    dtype: "np.typing.DTypeLike" = np.float32,
+) -> np.ndarray:
+    """The one-row additive mask of an MTP drafter step over the target's decode-sized caches.
+
+    The drafter (Gemma 4's assistant) writes no K/V of its own: at position ``n_past`` it reads the target's K/V of
+    positions ``[0, n_past)``, and with a window only the last ``window`` of them, ``|n_past - q| <= window``
+    (transformers' bidirectional sliding window). Example: context_len=7, n_past=5, window=2 (``x`` attend)::
+
+        cache slots (position j):  0  1  2  3  4  5
+                                   .  .  .  x  x  .
+
+    Args:
+        context_len: C of the target; its decode caches hold ``C - 1`` slots.
+        n_past: the drafter's position, the count of target positions in the cache.
+        window: the drafter's sliding window, or None for a full-attention layer.
+        ring_len: the slots of the target's sliding ring cache (`CacheLayout.RING`), or None for the full layout.
+        dtype: floating numpy dtype of the result.
+
+    Returns:
+        ``[1, 1, 1, C - 1]`` (or ``[1, 1, 1, ring_len]``) of 0 / MASK_MIN: the cache columns only.
+    """
+    wide = None if window is None else window + 1  # the masks above count the query itself inside the window
+    if ring_len is not None:
+        if wide is None:
+            raise ValueError("A ring cache only holds a sliding layer's K/V: give its window")
+        mask = ring_mask(1, ring_len, n_past, window=wide, dtype=dtype)
+    else:
+        mask = attention_mask(1, context_len, n_past, window=wide, dtype=dtype)
+    return np.ascontiguousarray(mask[..., :-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask
+from optimum_qnn.ops.mask import MASK_MIN, attention_mask, draft_mask, ring_mask
 
 
 def brute(ar, ctx, n_past, window, n_valid=None):
@@ -70,3 +70,12 @@ def test_ring_mask_opens_the_same_positions_as_the_full_mask(ar, ring, n_past, w
 def test_ring_shorter_than_its_window_raises():
     with pytest.raises(ValueError, match="cannot hold a window"):
         ring_mask(1, 2, 5, window=4)
+
+
+def test_draft_mask_opens_the_past_window_of_the_cache_only():
+    """The docstring's picture: position 5, window 2 -> slots 3 and 4; no column of the drafter's own; the ring
+    layout opens the slots holding the same positions."""
+    assert (draft_mask(7, 5, window=2)[0, 0, 0] == 0).tolist() == [False, False, False, True, True, False]
+    assert (draft_mask(7, 5)[0, 0, 0] == 0).tolist() == [True] * 5 + [False]
+    ring = draft_mask(7, 5, window=2, ring_len=3)[0, 0, 0]  # slots hold positions 3, 4, 2
+    assert ring.shape == (3,) and (ring == 0).tolist() == [True, True, False]

@@ -2,5 +2,6 @@
 
 from optimum_qnn.models.gemma4 import modules  # noqa: F401  (registers the swaps)
 from optimum_qnn.models.gemma4.modeling import StaticCausalLM
+from optimum_qnn.models.gemma4.assistant import StaticDrafter  # noqa: E402  (registers the assistant's swaps)
 
-__all__ = ["StaticCausalLM"]
+__all__ = ["StaticCausalLM", "StaticDrafter"]

@@ -12,7 +12,7 @@ Read against transformers 5.23.0 (models/gemma4, gemma4_unified, gemma4_assistan
   swap registry knows;
 - `gemma4_assistant` / `gemma4_unified_assistant` are MTP drafters: every layer reuses the target model's K/V
   (`num_kv_shared_layers == num_hidden_layers`) and the input is the target's hidden state (`backbone_hidden_size`),
-  so the drafter is not a decoder on its own, and the runner contract has no draft-and-verify pair.
+  so the drafter is not a decoder on its own: it is read beside its target (`--assistant`, models/gemma4/assistant.py).
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ _REFUSED_TYPES = {
     ),
     "gemma4_assistant": (
         "a Gemma 4 assistant (MTP drafter) checkpoint: every layer reuses the target model's K/V cache and its "
-        "input is the target's hidden state, so it is not a decoder on its own, and the runner contract has no "
-        "draft-and-verify pair of programs"
+        "input is the target's hidden state, so it is not a decoder on its own; it goes beside its target "
+        "(--assistant, docs/assistant.md)"
     ),
 }
 _REFUSED_TYPES["gemma4_unified_text"] = _REFUSED_TYPES["gemma4_unified"]
-_REFUSED_TYPES["gemma4_unified_assistant"] = _REFUSED_TYPES["gemma4_assistant"]
+_REFUSED_TYPES["gemma4_unified_assistant"] = (
+    "a Gemma 4 unified assistant (MTP drafter of the 12B) checkpoint: every layer reuses the target model's K/V cache "
+    "and its input is the target's hidden state, and optimum-qnn has no static twin of the 12B it drafts for"
+)
 
 
 def check_model_type(raw: dict, path: Path) -> None:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4TextConfig
 from transformers.models.gemma4 import modeling_gemma4 as hf
 
-from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.errors import OptimumQnnError, UnsupportedModelError
 from optimum_qnn.models.gemma4.families import check_dense, check_model_type
 
 logger = logging.getLogger(__name__)
@@ -271,3 +271,56 @@ def _materialize_derived_buffers(model: Gemma4ForCausalLM) -> None:
     left += [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"Tensors left uninitialised after loading: {left[:8]}")
+
+
+ASSISTANT_MODEL_TYPES = ("gemma4_assistant",)
+
+
+def read_assistant_config(folder: Path):
+    """The `Gemma4AssistantConfig` of an assistant (MTP drafter) folder, made buildable by transformers 5.23.0
+    (`assistant.buildable_assistant_config`)."""
+    from transformers import Gemma4AssistantConfig
+
+    from optimum_qnn.models.gemma4.assistant import buildable_assistant_config
+
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"No config.json in {folder}: is this a Hugging Face model folder?")
+    model_type = _read_json(config_path).get("model_type")
+    if model_type not in ASSISTANT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"--assistant {folder} is not a Gemma 4 assistant (model_type {model_type!r}; expected one of: "
+            f"{', '.join(ASSISTANT_MODEL_TYPES)}); pass the target's drafter, e.g. google/gemma-4-e2b-it-assistant"
+        )
+    try:
+        config = Gemma4AssistantConfig.from_pretrained(folder)
+    except Exception as e:  # transformers/huggingface_hub validators raise their own types
+        raise CheckpointError(
+            f"{config_path} is not a valid Gemma 4 assistant config ({type(e).__name__}: {e}); fix the value it names "
+            "or download the assistant again"
+        ) from None
+    return buildable_assistant_config(config)
+
+
+def load_assistant(folder: str | Path):
+    """A `Gemma4AssistantForCausalLM` (fp32, eval) from a local folder; every weight must be there and fit.
+
+    Raises:
+        CheckpointError: missing, unexpected or misshapen tensors.
+    """
+    from transformers import Gemma4AssistantForCausalLM
+
+    folder = Path(folder)
+    config = read_assistant_config(folder)
+    config.get_text_config()._attn_implementation = "eager"
+    _safetensors_files(folder, allow_pickle=False)  # the same refusal of a folder without safetensors
+    model, info = Gemma4AssistantForCausalLM.from_pretrained(
+        folder, config=config, dtype=torch.float32, output_loading_info=True
+    )
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise CheckpointError(
+            f"Assistant {folder} does not match the model of its config: "
+            + "; ".join(f"{len(v)} {k.replace('_', ' ')} (e.g. {sorted(map(str, v))[:3]})" for k, v in bad.items())
+        )
+    return model.eval()

@@ -39,7 +39,7 @@ class StaticCausalLM:
     @classmethod
     def from_hf(
         cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False,
-        cache_layout: CacheLayout = CacheLayout.FULL,
+        cache_layout: CacheLayout = CacheLayout.FULL, hidden_output: bool = False,
     ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
@@ -51,6 +51,8 @@ class StaticCausalLM:
                 HTP computes correctly when quantized; see ``ops/softcap.py``).
             cache_layout: ``CacheLayout.RING`` gives sliding layers caches of ``sliding_window`` slots (a ring); the
                 full layout, which ExecuTorch's C++ runner reads, gives every cache ``C - ar``.
+            hidden_output: every method also returns the final hidden state ``hidden`` ``[1, ar, hidden_size]``
+                (after the norm), last: what a Gemma 4 assistant beside the target reads (docs/assistant.md).
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -83,7 +85,7 @@ class StaticCausalLM:
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
         options = StaticOptions(max_context_len=max_context_len, quantized=quantized, ar_lens=tuple(ar_lens.values()),
-                                ring_len=ring)
+                                ring_len=ring, hidden_output=hidden_output)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)
@@ -94,6 +96,7 @@ class StaticCausalLM:
             ar_lens=ar_lens,
             sliding_window=window,
             cache_layout=cache_layout,
+            hidden_size=text_config.hidden_size if hidden_output else None,
         )
         logger.info("Swapped %d modules:\n%s", len(report.swapped), report.table())
         return cls(module, contract, report, text_config)
@@ -145,10 +148,11 @@ def greedy_generate(session: KVSession, input_ids: torch.Tensor, max_new_tokens:
     return torch.tensor(out, dtype=torch.long).unsqueeze(0)
 
 
-def check_adoption(hf_model: nn.Module, static: nn.Module) -> None:
+def check_adoption(hf_model: nn.Module, static: nn.Module, borrowed: nn.Module | None = None) -> None:
     """nanoGPT-style strict check: every text-decoder parameter of ``hf_model`` is used by ``static`` as is.
 
-    Parameters outside the text decoder (vision/audio towers of a multimodal model) are not expected.
+    Parameters outside the text decoder (vision/audio towers of a multimodal model) are not expected. ``borrowed``
+    is a module of another model that ``static`` uses too (a drafter reads its target's embedding).
     """
     static_ids = {id(p) for p in static.parameters()}
     missing = [
@@ -158,7 +162,7 @@ def check_adoption(hf_model: nn.Module, static: nn.Module) -> None:
     ]
     if missing:
         raise SwapError(f"{len(missing)} Hugging Face parameters were not adopted by the static model: {missing[:8]}")
-    hf_ids = {id(p) for p in hf_model.parameters()}
+    hf_ids = {id(p) for p in hf_model.parameters()} | {id(p) for p in (borrowed.parameters() if borrowed else ())}
     extra = [name for name, p in static.named_parameters() if id(p) not in hf_ids]
     if extra:
         raise SwapError(f"The static model has parameters that are not the Hugging Face ones: {extra[:8]}")

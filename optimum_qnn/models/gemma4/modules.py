@@ -54,6 +54,9 @@ class StaticOptions:
     # Slots of a sliding layer's ring cache (the window; `CacheLayout.RING`), or None for full-length caches. Only
     # the window band's width depends on it: the layers attend over whatever columns their caches and mask bring.
     ring_len: int | None = None
+    # Also return the final hidden state (after the norm): what an MTP drafter beside the target reads
+    # (docs/assistant.md). Only variants built with an assistant have it, so the runner contract stays as it was.
+    hidden_output: bool = False
 
 
 class StaticRMSNorm(nn.Module):
@@ -307,7 +310,8 @@ class StaticGemma4TextModel(nn.Module):
 
 class StaticGemma4ForCausalLM(nn.Module):
     """The exported graph: ``forward(tokens, atten_mask, sliding_atten_mask, input_pos, *k_caches, *v_caches)``
-    returns ``(logits, *k_new, *v_new)`` in the order of the runner contract."""
+    returns ``(logits, *k_new, *v_new)`` in the order of the runner contract, then the final hidden state when built
+    with ``hidden_output``."""
 
     def __init__(self, model: nn.Module, lm_head: nn.Linear, final_logit_softcapping: float | None, ctx: SwapContext):
         super().__init__()
@@ -317,6 +321,7 @@ class StaticGemma4ForCausalLM(nn.Module):
         self.lm_head = lm_head
         self.final_logit_softcapping = final_logit_softcapping
         self.num_caches = sum(spec.owns_cache for spec in self.model.layer_specs)
+        self.hidden_output = ctx.options.hidden_output
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -337,7 +342,8 @@ class StaticGemma4ForCausalLM(nn.Module):
         logits = self.lm_head(h)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits, self.final_logit_softcapping, quantized=self.quantized)
-        return (logits, *k_new, *v_new)
+        # The hidden state goes last: every runner reads logits and the new K/V by their positions.
+        return (logits, *k_new, *v_new, h) if self.hidden_output else (logits, *k_new, *v_new)
 
 
 @SWAPS.register(hf.Gemma4ForCausalLM)
