@@ -240,13 +240,13 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
 @pytest.fixture(scope="session")
 def layouts_export(window7_model_dir, tmp_path_factory, qnn_sdk) -> Path:
     """One artifact folder holding three fp16 kv-mode variants of the window-7 model for SM8650 (weights not shared):
-    context 64 in the full and in the ring cache layout, and context 32 in the full layout."""
+    context 128 in the full and in the ring cache layout, and context 64 in the full layout."""
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.contract import CacheLayout
     from optimum_qnn.exporter.pipeline import export
 
     out = tmp_path_factory.mktemp("layouts")
-    for context, layout in ((64, CacheLayout.FULL), (64, CacheLayout.RING), (32, CacheLayout.FULL)):
+    for context, layout in ((128, CacheLayout.FULL), (128, CacheLayout.RING), (64, CacheLayout.FULL)):
         config = ExportConfig(
             socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
             shapes=ShapeConfig(context, 4, cache_layout=layout), embedding_quant=EmbeddingQuant(0, 0),

@@ -81,22 +81,22 @@ def test_the_index_records_each_variants_layout_and_an_old_index_reads_as_full(l
 
     index = read_index(layouts_export)
     assert {v["path"]: v["cache_layout"] for v in index["variants"]} == {
-        "qnn/sm8650/fp16-ctx32-kv": "full", "qnn/sm8650/fp16-ctx64-kv": "full", "qnn/sm8650/fp16-ctx64-ring-kv": "ring",
+        "qnn/sm8650/fp16-ctx64-kv": "full", "qnn/sm8650/fp16-ctx128-kv": "full", "qnn/sm8650/fp16-ctx128-ring-kv": "ring",
     }
     for layout in ("full", "ring"):
-        picked = select_variant(index, "SM8650", "fp16", 64, layout)
+        picked = select_variant(index, "SM8650", "fp16", 128, layout)
         assert entry_layout(picked) == layout and picked["path"].endswith("-ring-kv") == (layout == "ring")
     # Each backend's preference, when the request names no layout.
-    assert select_variant(index, "SM8650", "fp16", 64, prefer_layout="ring")["path"] == "qnn/sm8650/fp16-ctx64-ring-kv"
-    assert select_variant(index, "SM8650", "fp16", 64, prefer_layout="full")["path"] == "qnn/sm8650/fp16-ctx64-kv"
-    with pytest.raises(VariantNotFoundError, match=r"No variant for .*cache_layout=ring; available: .*ctx64/kv/ring"):
-        select_variant(index, "SM8650", "fp16", 32, "ring")
+    assert select_variant(index, "SM8650", "fp16", 128, prefer_layout="ring")["path"] == "qnn/sm8650/fp16-ctx128-ring-kv"
+    assert select_variant(index, "SM8650", "fp16", 128, prefer_layout="full")["path"] == "qnn/sm8650/fp16-ctx128-kv"
+    with pytest.raises(VariantNotFoundError, match=r"No variant for .*cache_layout=ring; available: .*ctx128/kv/ring"):
+        select_variant(index, "SM8650", "fp16", 64, "ring")
     # An index written before the layout was recorded: no field, every variant full.
     old = {**index, "variants": [{k: v for k, v in e.items() if k != "cache_layout"} for e in index["variants"]
                                  if "-ring" not in e["path"]]}
     assert entry_layout(old["variants"][0]) == "full"
-    assert select_variant(old, "SM8650", "fp16", 64, prefer_layout="ring")["path"] == "qnn/sm8650/fp16-ctx64-kv"
-    assert select_variant(old, "SM8650", "fp16", 64, "full")["path"] == "qnn/sm8650/fp16-ctx64-kv"
+    assert select_variant(old, "SM8650", "fp16", 128, prefer_layout="ring")["path"] == "qnn/sm8650/fp16-ctx128-kv"
+    assert select_variant(old, "SM8650", "fp16", 128, "full")["path"] == "qnn/sm8650/fp16-ctx128-kv"
 
 
 def test_from_pretrained_takes_the_ring_on_the_host_and_the_full_layout_on_a_runner(layouts_export: Path,
@@ -104,12 +104,12 @@ def test_from_pretrained_takes_the_ring_on_the_host_and_the_full_layout_on_a_run
     from optimum_qnn.runtime.backends import runner
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
-    ring = QNNModelForCausalLM.from_pretrained(layouts_export, context_len=64)
-    assert ring.variant.name == "fp16-ctx64-ring-kv" and ring.contract.cache_layout is CacheLayout.RING
-    full = QNNModelForCausalLM.from_pretrained(layouts_export, context_len=64, cache_layout="full")
-    assert full.variant.name == "fp16-ctx64-kv" and full.contract.cache_layout is CacheLayout.FULL
-    ort = QNNModelForCausalLM.from_pretrained(layouts_export, context_len=64, device="host:onnxruntime")
-    assert ort.variant.name == "fp16-ctx64-ring-kv"
+    ring = QNNModelForCausalLM.from_pretrained(layouts_export, context_len=128)
+    assert ring.variant.name == "fp16-ctx128-ring-kv" and ring.contract.cache_layout is CacheLayout.RING
+    full = QNNModelForCausalLM.from_pretrained(layouts_export, context_len=128, cache_layout="full")
+    assert full.variant.name == "fp16-ctx128-kv" and full.contract.cache_layout is CacheLayout.FULL
+    ort = QNNModelForCausalLM.from_pretrained(layouts_export, context_len=128, device="host:onnxruntime")
+    assert ort.variant.name == "fp16-ctx128-ring-kv"
     # The same greedy tokens from both layouts, past the window of 7 (a 20-token prompt, 8 new tokens).
     prompt = list(range(5, 25))
     tokens = [m.generate(prompt, max_new_tokens=8, eos_token_id=[])[0, 20:].tolist() for m in (ring, full, ort)]
@@ -123,9 +123,9 @@ def test_from_pretrained_takes_the_ring_on_the_host_and_the_full_layout_on_a_run
             chosen.append(variant.name)
 
     monkeypatch.setattr(runner, "RunnerBackend", Recorder)
-    QNNModelForCausalLM.from_pretrained(layouts_export, context_len=64, device="runner")
-    assert chosen == ["fp16-ctx64-kv"]
-    with pytest.raises(InvalidInputError, match=r"Variant fp16-ctx64-ring-kv has the 'ring' cache layout"):
-        QNNModelForCausalLM.from_pretrained(layouts_export, context_len=64, cache_layout="ring", device="runner")
+    QNNModelForCausalLM.from_pretrained(layouts_export, context_len=128, device="runner")
+    assert chosen == ["fp16-ctx128-kv"]
+    with pytest.raises(InvalidInputError, match=r"Variant fp16-ctx128-ring-kv has the 'ring' cache layout"):
+        QNNModelForCausalLM.from_pretrained(layouts_export, context_len=128, cache_layout="ring", device="runner")
     with pytest.raises(InvalidInputError, match=r"cache_layout must be 'full' or 'ring'"):
         QNNModelForCausalLM.from_pretrained(layouts_export, cache_layout="rings")

@@ -110,7 +110,7 @@ def memory_need_bytes(manifest: Manifest) -> int:
     its QNN contexts, weights included) plus every tensor that each method reads and writes, at its dtype and
     shape (the KV caches the session holds, the masks, the logits, the new K/V). Not counted: the runtime's own
     libraries and the interpreter (the same for every variant), and QNN's scratch memory inside a call. What
-    grows with the context is the caches and masks, so variants of one model differ by exactly what this counts."""
+    grows with the context is the caches and masks, counted here, so the estimate ranks one model's contexts."""
     tensors = sum(
         int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
         for method in manifest.contract.methods for t in (*method.inputs, *method.outputs)
