@@ -110,7 +110,7 @@ def download_variant(
 
     from optimum_qnn.artifacts.writer import INDEX_NAME, ROOT_FILES
     from optimum_qnn.artifacts.manifest import MANIFEST_NAME, read_manifest
-    from optimum_qnn.artifacts.variants import host_memory_fit, memory_need_bytes, select_variant
+    from optimum_qnn.artifacts.variants import MemoryFit, memory_need_bytes, select_variant
 
     def need_bytes(entry: dict) -> int:
         path = hf_hub_download(repo_id, f"{entry['path']}/{MANIFEST_NAME}", revision=revision)
@@ -121,7 +121,7 @@ def download_variant(
     try:
         index_path = hf_hub_download(repo_id, INDEX_NAME, revision=revision)
         entry = select_variant(json.loads(Path(index_path).read_text()), soc, quant, context_len, cache_layout,
-                               prefer_layout=prefer_layout, fit=host_memory_fit(need_bytes, max_memory))
+                               prefer_layout=prefer_layout, fit=MemoryFit(need_bytes, max_memory))
         what = f"Variant {entry['path']} of {repo_id!r}"
         folder = Path(
             snapshot_download(repo_id, revision=revision, allow_patterns=[f"{entry['path']}/*", INDEX_NAME, *ROOT_FILES])

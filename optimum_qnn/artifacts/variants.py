@@ -120,49 +120,47 @@ def memory_need_bytes(manifest: Manifest) -> int:
 
 @dataclass(frozen=True)
 class MemoryFit:
-    """Chooses among variants that differ only in context: the largest whose `memory_need_bytes` fits
-    ``budget_gib`` (None: unknown, the largest), or the smallest with a warning when none fits.
+    """Chooses among variants that differ only in context: the largest whose `memory_need_bytes` fits the budget,
+    or the smallest with a warning when none fits.
 
-    ``need_bytes(entry)`` reads the entry's manifest (from the folder, or from the Hub); ``budget_source`` says where
-    the budget comes from in the line that tells the user what was chosen."""
+    ``need_bytes(entry)`` reads the entry's manifest (from the folder, or from the Hub). The budget is ``max_memory``
+    GB when given, else what this host has available less the margin the exporter keeps too
+    (`host_memory.default_budget_gib`), read only when there is a choice to make."""
 
     need_bytes: Callable[[dict[str, Any]], int]
-    budget_gib: float | None
-    budget_source: str
+    max_memory: float | None = None
+
+    def budget(self) -> tuple[float | None, str]:
+        """The budget in GB (None: unknown) and where it comes from."""
+        if self.max_memory is not None:
+            return self.max_memory, "max_memory"
+        available, source = available_memory()
+        return default_budget_gib(available), f"{source}, less a margin"
 
     def choose(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
         ordered = sorted(entries, key=lambda v: v["context_len"], reverse=True)
         contexts = ", ".join(str(v["context_len"]) for v in ordered)  # one variant per context (`select_variant`)
-        if self.budget_gib is None:
+        budget_gib, source = self.budget()
+        if budget_gib is None:
             notice.info("Context %d: the largest of this artifact's (%s); this host's memory is unknown, "
                         "choose another with --max-seq-len", ordered[0]["context_len"], contexts)
             return ordered[0]
-        budget = self.budget_gib * GB_BYTES
         for entry in ordered:
             need = self.need_bytes(entry)
-            if need <= budget:
+            if need <= budget_gib * GB_BYTES:
                 notice.info("Context %d: the largest of this artifact's (%s) whose estimated %s fits %.2f GB (%s); "
                             "choose another with --max-seq-len", entry["context_len"], contexts, _size(need),
-                            self.budget_gib, self.budget_source)
+                            budget_gib, source)
                 return entry
         smallest = ordered[-1]
         logger.warning("No context of this artifact (%s) fits %.2f GB (%s): taking the smallest, %d, which needs an "
-                       "estimated %s", contexts, self.budget_gib, self.budget_source, smallest["context_len"],
+                       "estimated %s", contexts, budget_gib, source, smallest["context_len"],
                        _size(self.need_bytes(smallest)))
         return smallest
 
 
 def _size(n: int) -> str:
     return f"{n / GB_BYTES:.2f} GB" if n >= GB_BYTES // 10 else f"{n / 2**20:.1f} MB"
-
-
-def host_memory_fit(need_bytes: Callable[[dict[str, Any]], int], max_memory: float | None) -> MemoryFit:
-    """The fit against ``max_memory`` GB when given, else what this host has available less the margin the exporter
-    keeps too (`host_memory.default_budget_gib`)."""
-    if max_memory is not None:
-        return MemoryFit(need_bytes, max_memory, "max_memory")
-    available, source = available_memory()
-    return MemoryFit(need_bytes, default_budget_gib(available), f"{source}, less a margin")
 
 
 def verify_files(

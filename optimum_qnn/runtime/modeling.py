@@ -22,7 +22,7 @@ import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, read_manifest, resolve_inside
 from optimum_qnn.artifacts.variants import (
-    FULL_LAYOUT, RING_LAYOUT, VariantNotFoundError, host_memory_fit, memory_need_bytes, select_variant, verify_files,
+    FULL_LAYOUT, RING_LAYOUT, MemoryFit, VariantNotFoundError, memory_need_bytes, select_variant, verify_files,
 )
 from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
@@ -136,7 +136,7 @@ class QNNModelForCausalLM:
         if path.is_dir():
             root = path
             index = read_index(root)
-            fit = host_memory_fit(lambda e: memory_need_bytes(read_manifest(resolve_inside(root, e["path"]))), max_memory)
+            fit = MemoryFit(lambda e: memory_need_bytes(read_manifest(resolve_inside(root, e["path"]))), max_memory)
             entry = select_variant(index, soc, quant, context_len, cache_layout, prefer_layout=prefer, fit=fit)
         else:
             from optimum_qnn.artifacts.hub import download_variant
