@@ -151,7 +151,15 @@ def _add_variant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="artifact folder or Hub repo id")
     parser.add_argument("--soc", help="the variant's SoC, e.g. SM8650 (needed when the artifact has several)")
     parser.add_argument("--quant", help="the variant's quant scheme, e.g. 16a8w (needed when several)")
-    parser.add_argument("--context-len", type=int, help="the variant's context length (when several)")
+    parser.add_argument("--max-seq-len", "--context-len", dest="context_len", type=int, metavar="N",
+                        help="the variant's context, as exported with --max-seq-len (default: of the artifact's "
+                        "contexts, the largest whose estimated memory fits this host's available memory or --max-memory)")
+    parser.add_argument("--cache-layout", choices=("full", "ring"),
+                        help="the variant's cache layout when the artifact has both (default: ring on the host, fewer "
+                        "bytes per call for the same output; full on a runner, which reads no other)")
+    parser.add_argument("--max-memory", metavar="GB",
+                        help="the memory the variant may take when its context is chosen (default: what this host has "
+                        "available, less 10 %% and at least 1 GB)")
     parser.add_argument("--revision", help="Hub revision")
     parser.add_argument("--device", default="host",
                         help="host (ExecuTorch's Python runtime here: in a conversation the cache is kept between "
@@ -162,11 +170,13 @@ def _add_variant_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_variant(args: argparse.Namespace):
+    from optimum_qnn.host_memory import parse_max_memory
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     options = {"runner": args.runner} if args.runner else {}
     return QNNModelForCausalLM.from_pretrained(
-        args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, revision=args.revision,
+        args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, cache_layout=args.cache_layout,
+        max_memory=None if args.max_memory is None else parse_max_memory(args.max_memory), revision=args.revision,
         device=args.device, **options,
     )
 

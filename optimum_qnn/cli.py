@@ -29,7 +29,7 @@ from optimum_qnn.config import (
 )
 from optimum_qnn.console import configure_logging, third_party_quiet
 from optimum_qnn.errors import InvalidInputError, OptimumQnnError
-from optimum_qnn.exporter.memory import parse_max_memory
+from optimum_qnn.host_memory import parse_max_memory
 
 logger = logging.getLogger(__name__)
 

@@ -237,6 +237,25 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
     return get
 
 
+@pytest.fixture(scope="session")
+def layouts_export(window7_model_dir, tmp_path_factory, qnn_sdk) -> Path:
+    """One artifact folder holding three fp16 kv-mode variants of the window-7 model for SM8650 (weights not shared):
+    context 128 in the full and in the ring cache layout, and context 64 in the full layout."""
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.contract import CacheLayout
+    from optimum_qnn.exporter.pipeline import export
+
+    out = tmp_path_factory.mktemp("layouts")
+    for context, layout in ((128, CacheLayout.FULL), (128, CacheLayout.RING), (64, CacheLayout.FULL)):
+        config = ExportConfig(
+            socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
+            shapes=ShapeConfig(context, 4, cache_layout=layout), embedding_quant=EmbeddingQuant(0, 0),
+            weight_sharing=False,
+        )
+        export(window7_model_dir, out, config)
+    return out
+
+
 A16W8_CTX, A16W8_PREFILL = 64, 16
 
 

@@ -243,5 +243,6 @@ def test_from_pretrained_with_a_context_len_no_variant_has(tmp_path, source, qnn
 
     out = tmp_path / "out"
     writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
-    with pytest.raises(VariantNotFoundError, match=r"context_len=99; available: SM8650/fp16/ctx24/kv"):
+    with pytest.raises(VariantNotFoundError, match=r"No variant has a context of 99 tokens \(--max-seq-len\); the contexts "
+                                                   r"there are: 24\. Available: SM8650/fp16/ctx24/kv"):
         QNNModelForCausalLM.from_pretrained(out, soc="SM8650", context_len=99)

@@ -136,8 +136,22 @@ def test_cancel_stops_the_reply_and_keeps_the_session(hybrid):
     assert chat.stats.reused_tokens == first_prompt + 2 - 1  # the cancelled reply's first token was read
 
 
-def test_a_full_context_drops_the_oldest_turns_once(hybrid, caplog):
-    model = hybrid
+@pytest.fixture(scope="module", params=["fp16-hybrid", "fp16-kv-ring"])
+def overflow_model(request):
+    """The shared fp16 hybrid export (context 96), and the ring-layout variant of tests/conftest.py `layouts_export`
+    (context 128, kv mode, sliding layers keeping a ring of 7 slots): the dropping rule must hold in both layouts."""
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    if request.param == "fp16-hybrid":
+        return request.getfixturevalue("fp16_model")
+    model = QNNModelForCausalLM.from_pretrained(request.getfixturevalue("layouts_export"), context_len=128)
+    assert model.manifest.contract.cache_layout == "ring"
+    return model
+
+
+def test_a_full_context_drops_the_oldest_turns_once(overflow_model, caplog):
+    model = overflow_model
+    model.clear_cache()  # the model is shared with other test files: nothing they left in its caches is reused
     chat = model.chat(system="Answer from the Python docs.", max_new_tokens=8)
     with caplog.at_level(logging.WARNING, logger="optimum_qnn.runtime.chat"):
         dropped_at = None

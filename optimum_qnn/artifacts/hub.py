@@ -87,10 +87,14 @@ def check_folder_or_repo_id(name: str, what: str) -> None:
 
 
 def download_variant(
-    repo_id: str, *, soc: str | None, quant: str | None, context_len: int | None, revision: str | None
+    repo_id: str, *, soc: str | None, quant: str | None, context_len: int | None, revision: str | None,
+    cache_layout: str | None = None, prefer_layout: str = "full", max_memory: float | None = None,
 ) -> tuple[Path, dict]:
     """Download the variant index of ``repo_id``, pick one variant, and fetch only its files plus the shared root
     files (config, tokenizer). Works offline from the Hugging Face cache (``HF_HUB_OFFLINE=1``).
+
+    The choice is `variants.select_variant`'s; when it weighs contexts by memory, it reads the candidates'
+    manifests (small files) before downloading any program.
 
     Returns:
         The local snapshot folder and the chosen index entry.
@@ -105,14 +109,19 @@ def download_variant(
     )
 
     from optimum_qnn.artifacts.writer import INDEX_NAME, ROOT_FILES
-    from optimum_qnn.artifacts.manifest import MANIFEST_NAME
-    from optimum_qnn.artifacts.variants import select_variant
+    from optimum_qnn.artifacts.manifest import MANIFEST_NAME, read_manifest
+    from optimum_qnn.artifacts.variants import MemoryFit, memory_need_bytes, select_variant
+
+    def need_bytes(entry: dict) -> int:
+        path = hf_hub_download(repo_id, f"{entry['path']}/{MANIFEST_NAME}", revision=revision)
+        return memory_need_bytes(read_manifest(Path(path).parent))
 
     check_folder_or_repo_id(repo_id, "artifact")
     what = f"{repo_id!r}"
     try:
         index_path = hf_hub_download(repo_id, INDEX_NAME, revision=revision)
-        entry = select_variant(json.loads(Path(index_path).read_text()), soc, quant, context_len)
+        entry = select_variant(json.loads(Path(index_path).read_text()), soc, quant, context_len, cache_layout,
+                               prefer_layout=prefer_layout, fit=MemoryFit(need_bytes, max_memory))
         what = f"Variant {entry['path']} of {repo_id!r}"
         folder = Path(
             snapshot_download(repo_id, revision=revision, allow_patterns=[f"{entry['path']}/*", INDEX_NAME, *ROOT_FILES])

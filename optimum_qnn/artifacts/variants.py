@@ -1,37 +1,166 @@
 """Choosing one variant of an artifact folder and checking its files against its manifest (no runtime needed:
-the Hub download and `from_pretrained` share these)."""
+the Hub download and `from_pretrained` share these): by SoC, scheme, cache layout and context, the context by the
+memory the host has when the request names none."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, ManifestError, resolve_inside, sha256_file
 from optimum_qnn.errors import OptimumQnnError
+from optimum_qnn.host_memory import GB_BYTES, available_memory, default_budget_gib
 
 logger = logging.getLogger(__name__)
 
 
 class VariantNotFoundError(OptimumQnnError):
-    """No exported variant matches the requested SoC / quant scheme / context."""
+    """No exported variant matches the requested SoC / quant scheme / context / cache layout."""
 
 
-def select_variant(index: dict[str, Any], soc: str | None, quant: str | None, context_len: int | None) -> dict[str, Any]:
-    """The index entry matching the request (None matches anything); a miss lists what exists."""
+FULL_LAYOUT, RING_LAYOUT = "full", "ring"  # `optimum_qnn.contract.CacheLayout`'s values, as the index spells them
+# The one-line notices of a command (shown without -v, as the exporter's stage lines are).
+notice = logging.getLogger("optimum_qnn.stages")
+
+
+def entry_layout(entry: dict[str, Any]) -> str:
+    """An index entry's cache layout. Indexes written before the layout was recorded hold full-layout variants only
+    (a ring variant was never indexed without it)."""
+    return entry.get("cache_layout", FULL_LAYOUT)
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` appended for the ring layout): how an error lists a variant."""
+    ring = "/ring" if entry_layout(entry) == RING_LAYOUT else ""
+    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}"
+
+
+def select_variant(
+    index: dict[str, Any], soc: str | None, quant: str | None, context_len: int | None,
+    cache_layout: str | None = None, *, prefer_layout: str = FULL_LAYOUT, fit: "MemoryFit | None" = None,
+) -> dict[str, Any]:
+    """The index entry matching the request (None matches anything); a miss lists what exists.
+
+    Where the request leaves a choice:
+    - the same SoC, scheme, context and mode in both cache layouts: the ``prefer_layout`` one (the in-process
+      backends prefer the ring, which moves fewer bytes per call for the same output; ExecuTorch's C++ runner reads
+      the full layout only);
+    - several contexts of one SoC, scheme and mode, and no ``context_len``: ``fit`` chooses (the largest context
+      whose memory need fits), or without it the request is ambiguous.
+
+    Raises:
+        VariantNotFoundError: nothing matches (a context that no variant has lists the contexts there are), or
+            several do and the request does not say which.
+    """
+    if cache_layout not in (None, FULL_LAYOUT, RING_LAYOUT):
+        raise VariantNotFoundError(f"Unknown cache layout {cache_layout!r}; expected one of: {FULL_LAYOUT}, {RING_LAYOUT}")
     want = {"soc": soc.upper() if soc else None, "quant": quant, "context_len": context_len}
     hits = [
         v for v in index["variants"]
         if all(val is None or v.get(key) == val for key, val in want.items())
+        and cache_layout in (None, entry_layout(v))
     ]
+    if len(hits) > 1 and cache_layout is None:
+        hits = _preferred_layout(hits, prefer_layout)
+    if len(hits) > 1 and context_len is None and fit is not None and len({_but_context(v) for v in hits}) == 1:
+        return fit.choose(hits)
     if len(hits) == 1:
         return hits[0]
-    available = ", ".join(f"{v['soc']}/{v['quant']}/ctx{v['context_len']}/{v['mode']}" for v in index["variants"]) or "none"
+    available = ", ".join(describe(v) for v in index["variants"]) or "none"
+    asked = f"soc={soc}, quant={quant}, context_len={context_len}" + (f", cache_layout={cache_layout}" if cache_layout else "")
+    if not hits and context_len is not None:
+        others = select_contexts(index, soc, quant)
+        if others and context_len not in others:
+            raise VariantNotFoundError(
+                f"No variant has a context of {context_len} tokens (--max-seq-len); the contexts there are: "
+                f"{', '.join(map(str, others))}. Available: {available}"
+            )
     if not hits:
-        raise VariantNotFoundError(
-            f"No variant for soc={soc}, quant={quant}, context_len={context_len}; available: {available}"
-        )
-    raise VariantNotFoundError(f"Several variants match soc={soc}, quant={quant}; be more specific. Available: {available}")
+        raise VariantNotFoundError(f"No variant for {asked}; available: {available}")
+    several = f"soc={soc}, quant={quant}" + (f", cache_layout={cache_layout}" if cache_layout else "")
+    raise VariantNotFoundError(f"Several variants match {several}; be more specific. Available: {available}")
+
+
+def select_contexts(index: dict[str, Any], soc: str | None, quant: str | None) -> list[int]:
+    """The contexts of the variants of ``soc`` and ``quant`` (None: any), ascending."""
+    soc = soc.upper() if soc else None
+    return sorted({v["context_len"] for v in index["variants"] if soc in (None, v.get("soc")) and quant in (None, v.get("quant"))})
+
+
+def _but_context(entry: dict[str, Any]) -> tuple:
+    """What variants that differ only in context share (after `_preferred_layout`, one layout per context)."""
+    return entry.get("soc"), entry.get("quant"), entry.get("mode")
+
+
+def _preferred_layout(hits: list[dict[str, Any]], prefer: str) -> list[dict[str, Any]]:
+    """``hits`` less each variant whose twin in the other layout (same SoC, scheme, context, mode) is ``prefer``."""
+    def twin(v: dict[str, Any]) -> tuple:
+        return v.get("soc"), v.get("quant"), v.get("context_len"), v.get("mode")
+
+    preferred = {twin(v) for v in hits if entry_layout(v) == prefer}
+    return [v for v in hits if entry_layout(v) == prefer or twin(v) not in preferred]
+
+
+def memory_need_bytes(manifest: Manifest) -> int:
+    """A variant's memory in a running process, estimated from its manifest: the program file (held once loaded:
+    its QNN contexts, weights included) plus every tensor that each method reads and writes, at its dtype and
+    shape (the KV caches the session holds, the masks, the logits, the new K/V). Not counted: the runtime's own
+    libraries and the interpreter (the same for every variant), and QNN's scratch memory inside a call. What
+    grows with the context is the caches and masks, counted here, so the estimate ranks one model's contexts."""
+    tensors = sum(
+        int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+        for method in manifest.contract.methods for t in (*method.inputs, *method.outputs)
+    )
+    return manifest.program.size + tensors
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """Chooses among variants that differ only in context: the largest whose `memory_need_bytes` fits the budget,
+    or the smallest with a warning when none fits.
+
+    ``need_bytes(entry)`` reads the entry's manifest (from the folder, or from the Hub). The budget is ``max_memory``
+    GB when given, else what this host has available less the margin the exporter keeps too
+    (`host_memory.default_budget_gib`), read only when there is a choice to make."""
+
+    need_bytes: Callable[[dict[str, Any]], int]
+    max_memory: float | None = None
+
+    def budget(self) -> tuple[float | None, str]:
+        """The budget in GB (None: unknown) and where it comes from."""
+        if self.max_memory is not None:
+            return self.max_memory, "max_memory"
+        available, source = available_memory()
+        return default_budget_gib(available), f"{source}, less a margin"
+
+    def choose(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        ordered = sorted(entries, key=lambda v: v["context_len"], reverse=True)
+        contexts = ", ".join(str(v["context_len"]) for v in ordered)  # one variant per context (`select_variant`)
+        budget_gib, source = self.budget()
+        if budget_gib is None:
+            notice.info("Context %d: the largest of this artifact's (%s); this host's memory is unknown, "
+                        "choose another with --max-seq-len", ordered[0]["context_len"], contexts)
+            return ordered[0]
+        for entry in ordered:
+            need = self.need_bytes(entry)
+            if need <= budget_gib * GB_BYTES:
+                notice.info("Context %d: the largest of this artifact's (%s) whose estimated %s fits %.2f GB (%s); "
+                            "choose another with --max-seq-len", entry["context_len"], contexts, _size(need),
+                            budget_gib, source)
+                return entry
+        smallest = ordered[-1]
+        logger.warning("No context of this artifact (%s) fits %.2f GB (%s): taking the smallest, %d, which needs an "
+                       "estimated %s", contexts, budget_gib, source, smallest["context_len"],
+                       _size(self.need_bytes(smallest)))
+        return smallest
+
+
+def _size(n: int) -> str:
+    return f"{n / GB_BYTES:.2f} GB" if n >= GB_BYTES // 10 else f"{n / 2**20:.1f} MB"
 
 
 def verify_files(

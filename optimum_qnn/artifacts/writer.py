@@ -357,6 +357,7 @@ class VariantWriter:
             "quant": config.quant_tag,
             "context_len": config.shapes.max_seq_len,
             "mode": config.mode.value,
+            "cache_layout": config.shapes.cache_layout.value,  # an index without it: every variant is full
             "manifest_sha256": sha256_file(self.output / name / MANIFEST_NAME),
         }
         index["variants"] = [v for v in index["variants"] if v.get("path") != name] + [entry]

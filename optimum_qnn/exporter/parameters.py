@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from optimum_qnn.errors import InvalidInputError
+from optimum_qnn.host_memory import GB_BYTES  # 2**30 bytes, as in the exporter's stage table
 
 if TYPE_CHECKING:
     from optimum_qnn.config import ExportConfig
 
-GB_BYTES = 2**30  # GB here and in `memory` (which takes it from here): 2**30 bytes, as in the exporter's stage table
 _STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 # The HTP loads a context of at most 4 GB: its weights, activations and spill-fill buffers. ExecuTorch's Qualcomm LLM

@@ -20,8 +20,9 @@ RUNNER_OPTIONS = frozenset({"runner", "qnn_sdk_root", "shared_buffer"})
 
 
 def check_selection(**values: Any) -> None:
-    """soc, quant and revision are strings, context_len an integer > 0 (None: any); a wrong type would otherwise
-    fail deep in the index lookup or the Hub client."""
+    """soc, quant and revision are strings, context_len an integer > 0, cache_layout 'full' or 'ring', max_memory
+    a positive number of GB (None: any); a wrong type would otherwise fail deep in the index lookup or the Hub
+    client."""
     for name in ("soc", "quant", "revision"):
         value = values[name]
         if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -30,6 +31,13 @@ def check_selection(**values: Any) -> None:
     context_len = values["context_len"]
     if context_len is not None and (isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1):
         raise InvalidInputError(f"context_len must be a positive integer such as 1024 (or None); got {context_len!r}")
+    layout = values.get("cache_layout")
+    if layout is not None and layout not in ("full", "ring"):
+        raise InvalidInputError(f"cache_layout must be 'full' or 'ring' (or None); got {layout!r}")
+    memory = values.get("max_memory")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0
+                               or memory == float("inf")):
+        raise InvalidInputError(f"max_memory must be a positive number of GB such as 8 or 7.5 (or None); got {memory!r}")
 
 
 @dataclass

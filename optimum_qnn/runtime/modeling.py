@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, read_manifest, resolve_inside
-from optimum_qnn.artifacts.variants import VariantNotFoundError, select_variant, verify_files
+from optimum_qnn.artifacts.variants import (
+    FULL_LAYOUT, RING_LAYOUT, MemoryFit, VariantNotFoundError, memory_need_bytes, select_variant, verify_files,
+)
 from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import InvalidInputError
@@ -83,6 +85,8 @@ class QNNModelForCausalLM:
         soc: str | None = None,
         quant: str | None = None,
         context_len: int | None = None,
+        cache_layout: str | None = None,
+        max_memory: float | None = None,
         revision: str | None = None,
         device: str = "host",
         **device_options: Any,
@@ -93,7 +97,14 @@ class QNNModelForCausalLM:
             repo_or_dir: an artifact folder, or a Hub repo id holding one.
             soc: e.g. ``"SM8750"``; None when the artifact has a single SoC.
             quant: e.g. ``"16a4w_block64"``; None when unambiguous.
-            context_len: the exported context length, when several exist.
+            context_len: the exported context length (the export's ``--max-seq-len``). None with several: the
+                largest whose estimated memory (`artifacts.variants.memory_need_bytes`) fits ``max_memory``; one
+                line says which was chosen and why.
+            cache_layout: ``"full"`` or ``"ring"``, when the artifact has both. None: the in-process (host)
+                backends take the ring (fewer bytes per call, the same output), the runner and adb backends the full
+                layout (ExecuTorch's C++ runner reads no other).
+            max_memory: GB the variant may take when the context is chosen by memory; default: what this host has
+                available, less a margin (10 %, at least 1 GB).
             revision: Hub revision to download.
             device: ``"host"`` (in this process, through this host's default runtime), ``"host:executorch"`` or
                 ``"host:onnxruntime"`` (that runtime), ``"runner"`` (ExecuTorch's C++ runner here) or
@@ -102,8 +113,10 @@ class QNNModelForCausalLM:
         """
         if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
             raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
-        check_selection(soc=soc, quant=quant, context_len=context_len, revision=revision)
+        check_selection(soc=soc, quant=quant, context_len=context_len, revision=revision, cache_layout=cache_layout,
+                        max_memory=max_memory)
         spec = DeviceSpec.parse(device)  # a bad name fails before any download
+        prefer = RING_LAYOUT if spec.kind == "host" else FULL_LAYOUT
         if spec.kind == "host" and device_options:
             raise InvalidInputError(
                 f"{', '.join(sorted(device_options))}: options of device='runner' or 'adb', not of the host"
@@ -123,11 +136,13 @@ class QNNModelForCausalLM:
         if path.is_dir():
             root = path
             index = read_index(root)
-            entry = select_variant(index, soc, quant, context_len)
+            fit = MemoryFit(lambda e: memory_need_bytes(read_manifest(resolve_inside(root, e["path"]))), max_memory)
+            entry = select_variant(index, soc, quant, context_len, cache_layout, prefer_layout=prefer, fit=fit)
         else:
             from optimum_qnn.artifacts.hub import download_variant
 
-            root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision)
+            root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision,
+                                           cache_layout=cache_layout, prefer_layout=prefer, max_memory=max_memory)
             blobs = root.parent.parent / "blobs"  # <cache>/models--org--name/snapshots/<sha>: files link into blobs/
             name = str(repo_or_dir).strip().rstrip("/").rsplit("/", 1)[-1]  # the repo's name, not the snapshot's sha
         if not (root / INDEX_NAME).is_file():

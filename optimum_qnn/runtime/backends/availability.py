@@ -103,10 +103,10 @@ class OnnxRuntimeCheck:
             # The CPU side of the program, read from the file (no QNN load): an op it has no kernel for is named.
             from optimum_qnn.artifacts.manifest import resolve_inside
             from optimum_qnn.errors import OptimumQnnError
-            from optimum_qnn.runtime.backends.onnxruntime.backend import check_runnable
+            from optimum_qnn.runtime.backends.onnxruntime.program import check_program_file
 
             try:
-                check_runnable(resolve_inside(folder, manifest.program.path))
+                check_program_file(resolve_inside(folder, manifest.program.path))
             except (OptimumQnnError, OSError) as e:
                 why = str(e)
         return Answer(self.name, why is None, why or f"{_where(self.machine)} through {source}")

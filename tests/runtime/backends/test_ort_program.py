@@ -171,3 +171,29 @@ def test_asymmetric_4bit_tables_identical(asym4_kv_export):
     plan = read_plans((folder / "model.pte").read_bytes())["kv_forward"]
     assert any(v is not None for v in (plan.values[s.args[2]] for s in plan.instructions if hasattr(s, "op")))
     _assert_identical(folder, {"quantized_decomposed::embedding_4bit.dtype_out"})
+
+
+def test_check_program_file_reads_the_file_only(asym4_kv_export, tmp_path):
+    """`check_program_file` (doctor's question) passes a program the backend runs and refuses one with an op it has
+    no kernel for, naming it, from the file alone: the doctored copy sits where no manifest is (nothing is loaded).
+    Before the errors were raised after the file's map closed, this refusal came out as "BufferError: cannot close
+    exported pointers exist" (the plans and the traceback held views of the map), and doctor, which catches the
+    project's errors, would have crashed on it."""
+    from optimum_qnn.runtime.backends.onnxruntime.program import check_program_file
+    from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError
+
+    (folder,) = variant_dirs(asym4_kv_export)
+    check_program_file(folder / "model.pte")
+    data = (folder / "model.pte").read_bytes()
+    name = b"quantized_decomposed::embedding_4bit"
+    assert data.count(name) >= 1
+    (tmp_path / "model.pte").write_bytes(data.replace(name, b"quantized_decomposed::embedding_4bix"))
+    with pytest.raises(OrtBackendError, match=r"method kv_forward runs quantized_decomposed::embedding_4bix\S* on the "
+                                              r"CPU, which the onnxruntime backend has no kernel for"):
+        check_program_file(tmp_path / "model.pte")
+    # A damaged file: read_plans' own error, raised once the map is closed (not "cannot close exported pointers").
+    (tmp_path / "model.pte").write_bytes(data[: len(data) // 2])
+    with pytest.raises(OptimumQnnError, match="segment 1 of method kv_forward runs past the end of the file"):
+        check_program_file(tmp_path / "model.pte")
+    with pytest.raises(OSError):
+        check_program_file(tmp_path / "missing.pte")

@@ -60,16 +60,3 @@ def runtime_build_id() -> tuple[str, str]:
     from optimum_qnn.runtime.backends.bundle import library_build_id
 
     return library_build_id(Path(onnxruntime_qnn.get_qnn_htp_path())), f"onnxruntime-qnn=={version('onnxruntime-qnn')}"
-
-
-def check_runnable(pte: Path) -> None:
-    """Refuse, without loading anything into QNN, a program whose CPU side holds what this backend cannot run (an
-    operator it has no kernel for, a non-QNN delegate), naming it: `doctor`'s question, answered from the file."""
-    import mmap
-
-    from optimum_qnn.artifacts.inspection.pte_plan import read_plans
-    from optimum_qnn.runtime.backends.onnxruntime.program import _check_plan
-
-    with open(pte, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        for plan in read_plans(data, str(pte)).values():
-            _check_plan(plan, str(pte))

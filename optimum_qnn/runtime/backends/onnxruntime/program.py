@@ -33,6 +33,7 @@ import numpy as np
 
 from optimum_qnn.artifacts.inspection.pte_plan import DelegateCall, ExecutionPlan, KernelCall, TensorValue, read_plans
 from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, QnnSystem, TensorInfo
+from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.program import check_pte_structure, host_can_run
 from optimum_qnn.runtime.backends.onnxruntime.cpu_ops import KERNELS, missing_kernels, output_spec
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
@@ -175,7 +176,9 @@ class OrtProgram:
         for name in names:
             if name not in plans:
                 raise OrtBackendError(f"{self.path} has no method {name!r}; it has: {', '.join(plans)}")
-            _check_plan(plans[name], str(self.path))
+            problem = _plan_problem(plans[name], str(self.path))
+            if problem is not None:
+                raise OrtBackendError(problem)
         self._sessions: list[Any] = []
         graph_calls = self._load_graphs([plans[n] for n in names])
         self.methods: dict[str, Callable[[Sequence[np.ndarray]], list[np.ndarray]]] = {}
@@ -276,23 +279,53 @@ def _qnn_system() -> QnnSystem:
     return QnnSystem(package_dir() / ("QnnSystem.dll" if os.name == "nt" else "libQnnSystem.so"), import_torch=False)
 
 
-def _check_plan(plan: ExecutionPlan, where: str) -> None:
-    """Refuse at load what this backend cannot run, naming it."""
+def check_program_file(pte: Path) -> None:
+    """Check that the onnxruntime backend can run the `.pte` at ``pte``, reading the file only: nothing is loaded
+    into QNN or onnxruntime (`doctor`'s question, answered before anyone pays for a load).
+
+    Every method's plan is read (`pte_plan.read_plans`) and checked as `OrtProgram` checks it when it loads: each
+    instruction is a CPU kernel or a delegate call, every delegate is QNN's, and every CPU operator has a numpy
+    kernel here (`cpu_ops.KERNELS`).
+
+    Args:
+        pte: the program file of a variant (``<variant>/model.pte``).
+
+    Raises:
+        OrtBackendError: the program holds what this backend cannot run; the message names the method and the
+            instruction, delegate or operator.
+        OptimumQnnError: the file is not an ExecuTorch program, or is damaged (`pte_plan.read_plans`' error).
+        OSError: the file cannot be read.
+    """
+    where = str(pte)
+    # The plans hold views of the mapping, and so does a raised error's traceback: the map closes only once both are
+    # gone (else "BufferError: cannot close exported pointers exist" replaces the message), so the error is raised
+    # after it closes.
+    with open(pte, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        error: type[OptimumQnnError] = OrtBackendError
+        try:
+            plans = read_plans(data, where)
+            problems = [p for p in (_plan_problem(plan, where) for plan in plans.values()) if p is not None]
+            del plans
+        except OptimumQnnError as e:  # a file that is no program: its own error and message
+            problems, error = [str(e)], type(e)
+    if problems:
+        raise error(problems[0])
+
+
+def _plan_problem(plan: ExecutionPlan, where: str) -> str | None:
+    """What of ``plan`` this backend cannot run, named (None: it runs all of it)."""
     for step in plan.instructions:
         if not isinstance(step, (KernelCall, DelegateCall)):
-            raise OrtBackendError(f"{where} method {plan.name} holds a {step.kind}, which the onnxruntime backend "
-                                  "does not run; run it with the ExecuTorch backend (device='host')")
+            return (f"{where} method {plan.name} holds a {step.kind}, which the onnxruntime backend does not run; run "
+                    "it with the ExecuTorch backend (device='host')")
     for step in plan.instructions:
         if isinstance(step, DelegateCall) and plan.delegates[step.delegate] != QNN_BACKEND_ID:
-            raise OrtBackendError(
-                f"{where} method {plan.name} delegates to {plan.delegates[step.delegate]}, which the onnxruntime "
-                "backend cannot run (it runs QnnBackend delegates only); run it with the ExecuTorch backend"
-            )
+            return (f"{where} method {plan.name} delegates to {plan.delegates[step.delegate]}, which the onnxruntime "
+                    "backend cannot run (it runs QnnBackend delegates only); run it with the ExecuTorch backend")
     used = [s.op for s in plan.instructions if isinstance(s, KernelCall)]
     missing = missing_kernels(plan.operators, used)
     if missing:
-        raise OrtBackendError(
-            f"{where} method {plan.name} runs {', '.join(missing)} on the CPU, which the onnxruntime backend has no "
-            f"kernel for (it has: {', '.join(sorted(KERNELS))}). Run this variant with the ExecuTorch "
-            "backend (device='host'), or re-export it so that op is delegated to QNN."
-        )
+        return (f"{where} method {plan.name} runs {', '.join(missing)} on the CPU, which the onnxruntime backend has "
+                f"no kernel for (it has: {', '.join(sorted(KERNELS))}). Run this variant with the ExecuTorch "
+                "backend (device='host'), or re-export it so that op is delegated to QNN.")
+    return None
