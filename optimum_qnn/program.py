@@ -32,6 +32,7 @@ class ProgramFacts:
     weight_sharing: bool
     shards: int
     qairt_build_id: str
+    htp_arch: int = 0  # the arch its context binaries were compiled for (0: unknown)
 
     @classmethod
     def of(cls, manifest) -> "ProgramFacts":
@@ -42,6 +43,7 @@ class ProgramFacts:
             weight_sharing=manifest.contract.weight_sharing,
             shards=manifest.contract.shards,
             qairt_build_id=manifest.versions.qairt_build_id,
+            htp_arch=manifest.target.htp_arch,
         )
 
 
@@ -60,7 +62,8 @@ class LoadedProgram:
     _live: "weakref.WeakValueDictionary[str, LoadedProgram]" = weakref.WeakValueDictionary()
     _live_lock = threading.Lock()
 
-    def __init__(self, program: Any, method_names: Sequence[str]):
+    def __init__(self, program: Any, method_names: Sequence[str], htp_arch: int = 0):
+        self.htp_arch = htp_arch
         self.methods = {name: program.load_method(name) for name in method_names}
         self._held = [program]  # the methods reference their program's memory: keep it alive with them
         self.lock = threading.Lock()
@@ -79,8 +82,9 @@ class LoadedProgram:
         with cls._live_lock:
             loaded = cls._live.get(facts.sha256)
             if loaded is None:
+                check_emulator_can_add(facts.htp_arch, [live.htp_arch for live in cls._live.values()], str(path))
                 with quiet_runtime():  # the QNN backend prints a dozen INFO lines as it opens the program's contexts
-                    loaded = cls(load_program(path, facts), facts.method_names)
+                    loaded = cls(load_program(path, facts), facts.method_names, facts.htp_arch)
                 cls._live[facts.sha256] = loaded
             return loaded
 
@@ -143,6 +147,29 @@ def check_host_can_run(weight_sharing: bool, what: str) -> None:
         raise OptimumQnnError(
             f"{what} shares weights between its prefill and decode graphs, which the x86 HTP emulator cannot load. "
             "Run it on a Snapdragon device, or re-export with --no-weight-sharing to run it on x86."
+        )
+
+
+# The emulator in onnxruntime-qnn 2.5.0's libQnnHtp.so (QAIRT 2.49.40) cannot create a v81 context while a context of
+# an older arch is live in the process: QNN fails it with "Can't run HMX in background due to lack of HMX thread(s)"
+# (error 5005) and ExecuTorch's load_method raises a bare "Failed to load method ... 0x1". Measured on tiny fp16
+# exports: SM8550 (v73), SM8650 (v75), SM8750 (v79) then SM8850 (v81) fails on the fourth, and SM8550 or SM8750 then
+# SM8850 fails on the second; SM8850 first and the older three after it all run, and so does SM8850 once the older
+# programs are freed. The number of contexts is not the limit (six loads one after the other, four live at once, run),
+# and onnxruntime-qnn runs the four in the failing order in one process.
+EMULATOR_HMX_ARCH = 81
+
+
+def check_emulator_can_add(htp_arch: int, live_archs: Sequence[int], what: str,
+                           machine: str | None = None) -> None:
+    """Refuse, before loading it, a v81+ program on the x86 HTP emulator while an older arch's program is live."""
+    older = sorted({a for a in live_archs if 0 < a < EMULATOR_HMX_ARCH})
+    if htp_arch >= EMULATOR_HMX_ARCH and older and is_emulator_host(machine):
+        raise OptimumQnnError(
+            f"{what} is compiled for HTP v{htp_arch}, which the x86 HTP emulator cannot load while a program for "
+            f"{', '.join(f'v{a}' for a in older)} is loaded in this process (QNN: lack of HMX threads). Load the "
+            f"v{htp_arch} variant first, free the older models before loading it, use device=\"host:onnxruntime\", "
+            "or run one process per SoC."
         )
 
 
