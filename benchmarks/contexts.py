@@ -150,7 +150,7 @@ def section(rows: dict) -> str:
         "\n## Context length: full-size exports at 4K to 32K\n",
         "benchmarks/contexts.py: `optimum-cli export qnn --soc SM8650 --quant 16a4w_block` on the random full-size "
         "checkpoint (benchmarks/e2b_full.py), in a 16 GB memory cgroup, one context per run. KV MiB: the cache inputs "
-        "of one call (uint16); spill-fill / IO / op data: the HTP graphs' own needs as `inspect` reads them, summed "
+        "of one call (uint16; float32 with --float-io); spill-fill / IO / op data: the HTP graphs' own needs as `inspect` reads them, summed "
         "over the shards. **SM8750 ms (estimate)**: the decode call's cache bytes in and out at SM8750's peak DRAM "
         f"bandwidth ({SM8750_PEAK_GBPS} GB/s, LPDDR5X-5300 x 64 bit); the weights' own read per step beside it (HTP "
         "contexts' bytes at the same bandwidth). A lower bound: the HTP reaches a fraction of the peak.\n",
