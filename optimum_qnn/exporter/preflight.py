@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optimum_qnn.quantization.calibration import CalibrationSource, check_text_file
-from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode
+from optimum_qnn.config import EmbeddingQuant, ExportConfig
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.memory import MemoryPlan, choose_memory_plan
 from optimum_qnn.exporter.parameters import ParameterCounts
@@ -149,7 +149,7 @@ def check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
 
     if not text_file.is_file():
         raise InvalidInputError(f"Evaluation text file {text_file} does not exist")
-    if not host_can_run(config.weight_sharing and config.mode is ExportMode.HYBRID):
+    if not host_can_run(config.weight_sharing and config.mode.has_prefill):
         raise InvalidInputError(
             "--evaluate runs the .pte on the x86 HTP emulator, which cannot load a hybrid .pte with shared weights: "
             "add --no-weight-sharing, or evaluate on a Snapdragon host"
