@@ -98,6 +98,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap --prompt in the tokenizer's chat template; the reply stops at the end of its turn")
     parser.add_argument("--max-new-tokens", type=int, default=None, help=_MAX_NEW_HELP)
+    parser.add_argument("--speculative", choices=["lookahead"], default=None,
+                        help="lookahead: decode with lookahead decoding (a variant exported with --mode lookahead; the "
+                        "same greedy text in fewer decode calls); the stats line adds tokens per call and acceptance")
     _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
@@ -126,10 +129,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                         raise
                     tokenizer = None
                 streamer = PrintingStreamer(tokenizer, sys.stdout) if tokenizer is not None else None
+                options = {"max_new_tokens": args.max_new_tokens, "streamer": streamer, "speculative": args.speculative}
                 if ids is None:
-                    model.text_generation(tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, streamer=streamer)
+                    model.text_generation(tokenizer, args.prompt, chat=args.chat, **options)
                 else:
-                    out = model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer)
+                    out = model.generate(ids, **options)
                     if tokenizer is None:
                         print(",".join(str(t) for t in out[0, len(ids):].tolist()), flush=True)
         except OptimumQnnError as e:
@@ -139,11 +143,19 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         print(
             f"[{s.prompt_tokens} prompt + {s.new_tokens} new tokens, stopped by {s.stopped_by} | first token "
             f"{s.time_to_first_token_s:.2f} s | prefill {s.prefill_tokens_per_s:.1f} tok/s | decode "
-            f"{s.decode_tokens_per_s:.1f} tok/s | {model.device}]"
+            f"{s.decode_tokens_per_s:.1f} tok/s{_speculative_stats(s)} | {model.device}]"
         )
         return 0
 
     parser.set_defaults(handler=handler)
+
+
+def _speculative_stats(s) -> str:
+    """`` | lookahead: T tokens per call, acceptance A %`` after a speculative generation, else nothing."""
+    if not s.speculative:
+        return ""
+    rate = "n/a" if s.acceptance_rate is None else f"{100 * s.acceptance_rate:.0f} %"
+    return f" | {s.speculative}: {s.tokens_per_target_call:.2f} tokens per call, acceptance {rate}"
 
 
 def _add_variant_args(parser: argparse.ArgumentParser) -> None:

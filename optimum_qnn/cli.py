@@ -18,6 +18,7 @@ from optimum_qnn.config import (
     EmbeddingQuant,
     ExportConfig,
     ExportMode,
+    Lookahead,
     RECIPES,
     QuantScheme,
     ShapeConfig,
@@ -88,7 +89,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep modules whose path matches REGEX at SCHEME, e.g. 'lm_head=16a8w' (repeatable; first match wins)",
     )
     opt.add_argument("--mode", default=_DEFAULTS.mode.value, choices=[m.value for m in ExportMode],
-                     help="hybrid: prefill + decode methods in one .pte; kv: decode only (default: %(default)s)")
+                     help="hybrid: prefill + decode methods in one .pte; kv: decode only; lookahead: hybrid whose decode "
+                          "call verifies guessed n-grams (ExecuTorch's runner: --eval_mode 2) (default: %(default)s)")
+    for flag, default, what in (("--ngram", 5, "N, the length of the guessed n-grams"),
+                                ("--window", 8, "W, future positions the lookahead branch guesses per call"),
+                                ("--gcap", 8, "G, candidate n-grams verified per call")):
+        opt.add_argument(flag, type=int, default=None,
+                         help=f"--mode lookahead: {what} (default: {default}); the decode call takes next_pow2((W + G) * (N - 1)) tokens")
     opt.add_argument("--max-seq-len", type=int, default=None,
                      help=f"context length C (default: {DEFAULT_CONTEXT}, or the model's max_position_embeddings or the "
                           "largest context the target's HTP compiles where that is less; why 4096: docs/exporting.md)")
@@ -177,7 +184,17 @@ def config_from_args(args: argparse.Namespace, scheme: str | None = None) -> Exp
         overrides=tuple(_parse_override(text) for text in args.quant_override),
         shards=args.shards,
         max_memory=None if args.max_memory is None else parse_max_memory(args.max_memory),
+        lookahead=lookahead_from_args(args),
     )
+
+
+def lookahead_from_args(args: argparse.Namespace) -> Lookahead | None:
+    """N, W, G of --mode lookahead (ExecuTorch's defaults for the ones not given); any of them in another mode is
+    passed on, so the config refuses it naming the fix."""
+    given = {name: getattr(args, name) for name in ("ngram", "window", "gcap") if getattr(args, name) is not None}
+    if args.mode != ExportMode.LOOKAHEAD.value and not given:
+        return None
+    return Lookahead(**given)
 
 
 def _parse_override(text: str) -> tuple[str, QuantScheme]:

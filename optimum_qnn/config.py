@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from optimum_qnn.contract import CacheLayout  # re-exported beside the other choices of an export
 from optimum_qnn.errors import InvalidInputError, parse_enum
+from optimum_qnn.lookahead import Lookahead  # re-exported beside the other choices of an export
 from optimum_qnn.socs import Soc, check_supported  # Soc re-exported: config holds every choice of an export
 
 
@@ -54,10 +55,16 @@ class QuantScheme(enum.Enum):
 
 
 class ExportMode(enum.Enum):
-    """`kv`: one decode method (ar_len 1). `hybrid`: a prefill method (ar_len N) plus the decode method."""
+    """`kv`: one decode method (ar_len 1). `hybrid`: a prefill method (ar_len N) plus the decode method.
+    `lookahead`: hybrid whose decode method takes a tree of guesses (`optimum_qnn.lookahead.Lookahead`'s AR)."""
 
     KV = "kv"
     HYBRID = "hybrid"
+    LOOKAHEAD = "lookahead"
+
+    @property
+    def has_prefill(self) -> bool:
+        return self is not ExportMode.KV
 
     @classmethod
     def parse(cls, value: object) -> "ExportMode":
@@ -329,6 +336,8 @@ class ExportConfig:
     weight_rounding: WeightRounding = WeightRounding.NEAREST
     # The named recipe these settings came from (`RECIPES`), which names the variant; None: named by the scheme.
     recipe: str | None = None
+    # N, W and G of `--mode lookahead` (ExecuTorch's --ngram/--window/--gcap); None in the other modes.
+    lookahead: Lookahead | None = None
 
     def __post_init__(self) -> None:
         # Wrong types from Python callers get the same clear error as wrong values from the command line.
@@ -354,7 +363,8 @@ class ExportConfig:
         if not self.socs:
             raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
-        if self.mode is ExportMode.HYBRID and shapes.max_seq_len is not None and shapes.prefill_ar_len >= shapes.max_seq_len:
+        self._check_lookahead()
+        if self.mode.has_prefill and shapes.max_seq_len is not None and shapes.prefill_ar_len >= shapes.max_seq_len:
             raise InvalidInputError(
                 f"prefill_ar_len ({shapes.prefill_ar_len}) must be smaller than max_seq_len ({shapes.max_seq_len}): "
                 "each call's tokens are appended to a cache of max_seq_len - ar_len slots"
@@ -389,6 +399,32 @@ class ExportConfig:
         features = [self.quant.value, *(scheme.value for _, scheme in self.overrides)]
         for soc in self.socs:
             check_supported(soc, features)
+
+    def _check_lookahead(self) -> None:
+        """`lookahead` is set exactly in lookahead mode, its AR fits the context, and the ring layout is refused."""
+        if self.mode is not ExportMode.LOOKAHEAD:
+            if self.lookahead is not None:
+                raise InvalidInputError(
+                    f"--ngram, --window and --gcap shape lookahead decoding; they need --mode lookahead, not --mode "
+                    f"{self.mode.value} (add --mode lookahead, or drop them)"
+                )
+            return
+        if not isinstance(self.lookahead, Lookahead):
+            raise InvalidInputError(f"--mode lookahead needs ExportConfig.lookahead, a Lookahead(ngram, window, gcap); got {self.lookahead!r}")
+        ar, shapes = self.lookahead.ar_len, self.shapes
+        if shapes.max_seq_len is not None and ar >= shapes.max_seq_len:  # None: checked once the exporter chose it
+            raise InvalidInputError(
+                f"Lookahead decoding with --ngram {self.lookahead.ngram} --window {self.lookahead.window} --gcap "
+                f"{self.lookahead.gcap} takes {ar} tokens per decode call, not below --max-seq-len {shapes.max_seq_len}: "
+                "lower them or raise --max-seq-len"
+            )
+        if shapes.prefill_ar_len == ar:
+            raise InvalidInputError(
+                f"--prefill-ar-len {ar} equals the lookahead decode call's {ar} tokens; the two graphs must differ in "
+                "length (the prefill graph applies the sliding window by index, the tree's mask by position): choose another --prefill-ar-len"
+            )
+        if shapes.cache_layout is not CacheLayout.FULL:
+            raise InvalidInputError("--mode lookahead keeps the full cache layout (its tree's mask has no ring form); drop --cache-layout ring")
 
     def check_shards(self, num_layers: int) -> None:
         """A given --shards must leave each shard a decoder layer at least. Where the shards begin is chosen from

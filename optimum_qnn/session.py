@@ -27,7 +27,7 @@ import numpy as np
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, AttentionKind, RunnerContract
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 from optimum_qnn.ops.arrays import as_numpy, is_torch, like
-from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask
+from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask, tree_mask
 
 MethodFn = Callable[[Sequence[np.ndarray]], Sequence[Any]]
 
@@ -64,11 +64,13 @@ class KVSession:
         self.cache_layers = contract.cache_layers
         # Quantized exports take integer caches whose new K/V outputs carry the cache's own encoding: the host
         # copies them unchanged and never dequantizes a cache.
-        self.k_bufs = [_zeros(dec_inputs[f"k_cache_{l.index}"]) for l in self.cache_layers]
-        self.v_bufs = [_zeros(dec_inputs[f"v_cache_{l.index}"]) for l in self.cache_layers]
         # Which caches are rings (sliding layers of a ring layout): the same buffer in every method, written at p % R.
         self.ring_len = contract.ring_len
         self.is_ring = [self.ring_len is not None and l.attention is AttentionKind.SLIDING for l in self.cache_layers]
+        # C - 1 slots, whatever the decode method's ar_len (a lookahead export's is above 1); a ring keeps its own.
+        slots = [None if ring else contract.context_len - 1 for ring in self.is_ring]
+        self.k_bufs = [_zeros(dec_inputs[f"k_cache_{l.index}"], -1, n) for l, n in zip(self.cache_layers, slots)]
+        self.v_bufs = [_zeros(dec_inputs[f"v_cache_{l.index}"], -2, n) for l, n in zip(self.cache_layers, slots)]
         # The ids whose K/V were written, slot j holding position j: what `truncate` reads again when a ring has
         # overwritten the window the kept tokens need.
         self.ids = np.zeros(contract.context_len, dtype=np.int64)
@@ -76,11 +78,13 @@ class KVSession:
         self.mask_spec = self.decode_spec.inputs[1]
         self.n_past = 0
         self._method_inputs: dict[str, _MethodInputs] = {}
+        self._pending: Sequence[Any] | None = None  # the outputs of the last tree_call, until accept()
 
     @property
     def capacity(self) -> int:
-        """Tokens that fit in one generation: cache slots plus the token of the last call."""
-        return self.contract.context_len
+        """Tokens that fit in one generation: the decode method's cache slots plus the token of the last call (the
+        context, unless decode calls take several tokens: a lookahead export's)."""
+        return self.decode_spec.cache_len + 1
 
     @property
     def stored(self) -> int:
@@ -126,38 +130,78 @@ class KVSession:
             raise ContextOverflowError(f"{self.n_past} tokens do not fit the {cache_len} cache slots of {spec.name}")
         buffers = self._inputs_of(spec)
         buffers.update(chunk, self.n_past)
-        inputs: list[np.ndarray] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
-        inputs += [k if ring else k[..., :cache_len] for k, ring in zip(self.k_bufs, self.is_ring)]
-        inputs += [v if ring else v[:, :, :cache_len, :] for v, ring in zip(self.v_bufs, self.is_ring)]
-        outputs = self.methods[spec.name](inputs)
+        outputs = self.methods[spec.name](self._inputs(spec, buffers))
+        self._store(outputs, chunk, np.arange(n_valid))
+        logits = outputs[0][0, :n_valid]
+        return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
+
+    def _store(self, outputs: Sequence[Any], tokens: np.ndarray, rows: np.ndarray) -> None:
+        """Copy the new K/V of the call's ``rows`` (ascending) into the slots after ``n_past``, in that order, as
+        the K/V of ``tokens``; ``n_past`` grows by ``len(rows)``."""
         n = len(self.cache_layers)
-        lo, hi = self.n_past, self.n_past + n_valid
+        lo, hi = self.n_past, self.n_past + rows.size
         # The cache has C - 1 slots: a call that fills the context to C leaves one token whose K/V no later call
         # can read, so it is not stored.
         keep = min(hi, self.contract.context_len - 1) - lo
-        self.ids[lo : lo + keep] = chunk[:keep]
+        self.ids[lo : lo + keep] = tokens[:keep]
+        contiguous = rows.size == 0 or rows[-1] - rows[0] == rows.size - 1
+        picked = slice(int(rows[0]), int(rows[0]) + keep) if contiguous and rows.size else rows[:keep]
         # A ring keeps the last ring_len of the new positions, position p in slot p % ring_len.
         first = max(0, keep - self.ring_len) if self.ring_len is not None else 0
         ring_slots = (np.arange(lo + first, lo + keep) % self.ring_len) if self.ring_len is not None else None
         for i in range(n):
             k_new, v_new = as_numpy(outputs[1 + i]), as_numpy(outputs[1 + n + i])
-            if self.is_ring[i]:
+            if self.is_ring[i]:  # tree calls are refused with a ring: rows are 0..n here
                 self.k_bufs[i][..., ring_slots] = k_new[..., first:keep]
                 self.v_bufs[i][:, :, ring_slots, :] = v_new[:, :, first:keep, :]
                 continue
-            self.k_bufs[i][..., lo : lo + keep] = k_new[..., :keep]
-            self.v_bufs[i][:, :, lo : lo + keep, :] = v_new[:, :, :keep, :]
+            self.k_bufs[i][..., lo : lo + keep] = k_new[..., picked]
+            self.v_bufs[i][:, :, lo : lo + keep, :] = v_new[:, :, picked, :]
         self.n_past = hi
-        logits = outputs[0][0, :n_valid]
+
+    def tree_call(self, tokens: np.ndarray, parents: Sequence[int], offsets: Sequence[int]) -> np.ndarray:
+        """One decode call on a tree of tokens (lookahead decoding): row i at position ``n_past + offsets[i]``,
+        continuing row ``parents[i]`` (`ops.mask.tree_mask`). Returns the rows' logits ``[len(tokens), vocab]``;
+        nothing is stored until `accept` picks the rows whose tokens were accepted.
+
+        Raises:
+            InvalidInputError: a ring cache layout (its sliding mask has no tree form).
+            ContextOverflowError: the cache has no room for the call.
+        """
+        spec = self.decode_spec
+        if self.ring_len is not None:
+            raise InvalidInputError("Lookahead decoding needs the full cache layout; this variant has --cache-layout ring")
+        if self.n_past > spec.cache_len:
+            raise ContextOverflowError(f"{self.n_past} tokens do not fit the {spec.cache_len} cache slots of {spec.name}")
+        buffers = self._inputs_of(spec)
+        buffers.tree(np.asarray(tokens, dtype=np.int64), self.n_past, list(parents), list(offsets))
+        self._pending = self.methods[spec.name](self._inputs(spec, buffers))
+        logits = as_numpy(self._pending[0])[0, : len(tokens)]
         return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
 
-    def _check(self, ids: Any) -> np.ndarray:
+    def accept(self, tokens: Sequence[int], rows: Sequence[int]) -> None:
+        """Keep the K/V of ``rows`` (ascending) of the last `tree_call`, whose tokens are ``tokens``, in the slots
+        after ``n_past``: the accepted path of the tree; the other rows' K/V are dropped."""
+        outputs, self._pending = self._pending, None
+        if outputs is None:
+            raise RuntimeError("accept() follows a tree_call()")
+        self._store(outputs, np.asarray(tokens, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+
+    def _inputs(self, spec, buffers: "_MethodInputs") -> list[np.ndarray]:
+        cache_len = spec.cache_len
+        inputs: list[np.ndarray] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
+        inputs += [k if ring else k[..., :cache_len] for k, ring in zip(self.k_bufs, self.is_ring)]
+        inputs += [v if ring else v[:, :, :cache_len, :] for v, ring in zip(self.v_bufs, self.is_ring)]
+        return inputs
+
+    def _check(self, ids: Any, capacity: int | None = None) -> np.ndarray:
         ids = as_numpy(ids).reshape(-1)
+        capacity = capacity or self.capacity
         if ids.size == 0:
             raise InvalidInputError("Cannot feed an empty sequence of token ids")
-        if self.n_past + ids.size > self.capacity:
+        if self.n_past + ids.size > capacity:
             raise ContextOverflowError(
-                f"{self.n_past} + {ids.size} tokens exceed the exported context of {self.capacity} tokens; "
+                f"{self.n_past} + {ids.size} tokens exceed the exported context of {capacity} tokens; "
                 "shorten the prompt or export with a larger --max-seq-len"
             )
         vocab = self.contract.vocab_size
@@ -185,7 +229,7 @@ class KVSession:
 
     def feed_method(self, method: str, ids: Any) -> Any:
         """Append ``ids`` through one method only, in calls of its ar_len (the last one padded)."""
-        given, ids = ids, self._check(ids)
+        given, ids = ids, self._check(ids, self.contract.context_len)  # each call checks its own cache room
         spec = self.contract.method(method)
         logits = [self._call(spec, ids[start : start + spec.ar_len]) for start in range(0, ids.size, spec.ar_len)]
         return _joined(given, logits)
@@ -202,8 +246,12 @@ def _joined(given: Any, logits: list[Any]) -> Any:
     return like(given, np.concatenate(logits, axis=0))
 
 
-def _zeros(spec) -> np.ndarray:
-    return np.zeros(spec.shape, dtype=spec.dtype)
+def _zeros(spec, slot_axis: int, slots: int | None) -> np.ndarray:
+    """Zeros of ``spec``, with ``slots`` slots on ``slot_axis`` (None: the spec's own, a ring's)."""
+    shape = list(spec.shape)
+    if slots is not None:
+        shape[slot_axis] = slots
+    return np.zeros(shape, dtype=spec.dtype)
 
 
 class _MethodInputs:
@@ -238,6 +286,17 @@ class _MethodInputs:
             ring = ring_mask(self.ar_len, self.ring_len, n_past, window=self.window, n_valid=n_valid)
             self.sliding_mask[...] = self._values(ring)
         self._state = (n_past, n_valid)
+
+    def tree(self, tokens: np.ndarray, n_past: int, parents: list[int], offsets: list[int]) -> None:
+        """Inputs of a call on a tree of tokens (`KVSession.tree_call`); padding rows sit at ``n_past``."""
+        self.tokens[...] = 0
+        self.tokens[0, : tokens.size] = tokens
+        self.pos[...] = n_past
+        self.pos[0, : len(offsets)] = np.minimum(n_past + np.asarray(offsets), self.context_len - 1)
+        ar, ctx = self.ar_len, self.context_len
+        self.mask[...] = self._values(tree_mask(parents, offsets, ar, ctx, n_past))
+        self.sliding_mask[...] = self._values(tree_mask(parents, offsets, ar, ctx, n_past, window=self.window))
+        self._state = None  # the next `update` rebuilds both masks
 
     def _values(self, mask: np.ndarray) -> np.ndarray:
         """``attention_mask``'s 0 / `MASK_MIN` as this input's values."""

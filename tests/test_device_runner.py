@@ -34,7 +34,7 @@ checks = {{
     "eval_mode": flag("--eval_mode"), "seq_len": int(flag("--seq_len")), "shared_buffer": "--shared_buffer" in args,
     "cwd": os.getcwd(), "ld": os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep),
     "backend_here": os.path.exists("libqnn_executorch_backend.so"),
-    "tokenizer": os.path.exists(os.path.join(flag("--tokenizer_path"), "tokenizer.json")),
+    "tokenizer": os.path.exists(os.path.join(flag("--tokenizer_path"), "tokenizer.json")), "args": args,
 }}
 json.dump(checks, open({record!r}, "w"))
 with open(flag("--output_path"), "w") as f:

@@ -25,8 +25,8 @@ from optimum_qnn.errors import OptimumQnnError
 
 # 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified). 1.2 added
 # `quantization.weight_rounding` (absent: "nearest"). 1.3 added `mixed_precision.sensitivity_probes` (absent: not
-# recorded).
-SCHEMA_VERSION = "1.3"
+# recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding).
+SCHEMA_VERSION = "1.4"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -136,6 +136,18 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class LookaheadInfo:
+    """A ``--mode lookahead`` export: N, W, G (`optimum_qnn.lookahead.Lookahead`), the AR its ``kv_forward`` takes,
+    and the flags ExecuTorch's ``qnn_llama_runner`` runs it with (it reads no lookahead metadata from the .pte)."""
+
+    ngram: int
+    window: int
+    gcap: int
+    ar_len: int
+    runner_args: list[str]
+
+
+@dataclass(frozen=True)
 class Contract:
     """The runner contract (see docs/runner_contract.md)."""
 
@@ -154,6 +166,7 @@ class Contract:
     # "full": every cache C - ar slots (ExecuTorch's C++ runner's layout); "ring": sliding layers keep
     # sliding_window slots, position p in slot p % sliding_window (optimum_qnn.contract.CacheLayout).
     cache_layout: str = "full"
+    lookahead: LookaheadInfo | None = None  # set by `--mode lookahead` (since 1.4)
 
 
 @dataclass(frozen=True)
@@ -436,7 +449,7 @@ _RING_UPDATE = (_FULL_UPDATE + "; sliding layers: a ring of sliding_window slots
                 "p % sliding_window, sliding_atten_mask over the ring's slots then the call's own tokens")
 
 
-def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Contract:
+def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None) -> Contract:
     """The manifest's view of a `RunnerContract`."""
     d = contract.to_dict()
     return Contract(
@@ -459,4 +472,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1) -> Cont
         ],
         shards=shards,
         cache_layout=d["cache_layout"],
+        lookahead=None if lookahead is None else LookaheadInfo(**lookahead.to_dict()),
     )

@@ -74,8 +74,10 @@ class ArtifactError(OptimumQnnError):
 
 def variant_name(soc: Soc, config: ExportConfig) -> str:
     """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` appended for the ring cache layout, then ``-kv`` for decode-only
-    exports): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
-    mode = "" if config.mode is ExportMode.HYBRID else "-kv"
+    exports, ``-lhdNwWgG`` for lookahead ones): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
+    mode = {ExportMode.HYBRID: "", ExportMode.KV: "-kv"}.get(config.mode, "")
+    if config.lookahead is not None:  # its decode graph differs with N, W and G
+        mode = f"-lhd{config.lookahead.ngram}w{config.lookahead.window}g{config.lookahead.gcap}"
     layout = "-ring" if config.shapes.cache_layout.value == "ring" else ""
     return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{layout}{mode}"
 
@@ -309,7 +311,8 @@ class VariantWriter:
                     weight_rounding=config.weight_rounding.value,
                     mixed_precision=mixed_precision_section(mixed_plan),
                 ),
-                contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards),
+                contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards,
+                                          lookahead=config.lookahead),
                 tokenizer=self._tokenizer_info(root_files),
                 program=program,
                 files=[program],

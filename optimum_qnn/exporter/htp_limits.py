@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme
+from optimum_qnn.config import ExportConfig, QuantScheme
 from optimum_qnn.contract import AttentionKind, CacheLayout, LayerSpec
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.socs import Soc
@@ -133,7 +133,8 @@ def check_tcm(layers: tuple[LayerSpec, ...], window: int | None, config: ExportC
     if element is None or os.environ.get(NO_TCM_CHECK_ENV) == "1":
         return
     shapes = config.shapes
-    ar_lens = (1, shapes.prefill_ar_len) if config.mode is ExportMode.HYBRID else (1,)
+    decode_ar = config.lookahead.ar_len if config.lookahead is not None else 1
+    ar_lens = (decode_ar, shapes.prefill_ar_len) if config.mode.has_prefill else (decode_ar,)
     tensor = largest_cache_tensor(layers, shapes.max_seq_len, ar_lens, window, shapes.cache_layout, element)
     for soc in sorted(config.socs, key=tcm_limit):
         limit = tcm_limit(soc)

@@ -24,7 +24,7 @@ import torch
 
 from optimum_qnn.artifacts.writer import BackgroundDigests, VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
 from optimum_qnn.quantization.calibration import CalibrationSource
-from optimum_qnn.config import ExportConfig, ExportMode
+from optimum_qnn.config import ExportConfig
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.evaluation import DEFAULT_MAX_TOKENS
@@ -281,10 +281,11 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             folder, allow_pickle=allow_pickle, tables_in_stored_dtype=evaluate is None, matrices_in_stored_dtype=stored
         )
     shapes = config.shapes
-    hybrid = config.mode is ExportMode.HYBRID
+    hybrid = config.mode.has_prefill
     with _stage(result, "swap"):
         static = StaticCausalLM.from_hf(
             hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
+            decode_ar_len=config.lookahead.ar_len if config.lookahead is not None else 1,
             quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout,
         )
         result.swap_summary = static.report.table()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optimum_qnn.quantization.calibration import CalibrationSource, check_text_file
-from optimum_qnn.config import DEFAULT_CONTEXT, EmbeddingQuant, ExportConfig, ExportMode
+from optimum_qnn.config import DEFAULT_CONTEXT, EmbeddingQuant, ExportConfig
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.memory import MemoryPlan, choose_memory_plan
 from optimum_qnn.exporter.parameters import ParameterCounts
@@ -126,7 +126,7 @@ def choose_context(text_config, config: ExportConfig) -> ExportConfig:
                                      "(--float-io or --cache-layout ring allow more)")
     context = min(choices)
     ar = config.shapes.prefill_ar_len
-    if config.mode is ExportMode.HYBRID and ar >= context:
+    if config.mode.has_prefill and ar >= context:
         raise InvalidInputError(
             f"--prefill-ar-len {ar} needs a longer context than this model allows ({context}: {choices[context]}); "
             f"pass a smaller --prefill-ar-len"
@@ -186,7 +186,7 @@ def check_can_evaluate(text_file: Path, config: ExportConfig) -> None:
 
     if not text_file.is_file():
         raise InvalidInputError(f"Evaluation text file {text_file} does not exist")
-    if not host_can_run(config.weight_sharing and config.mode is ExportMode.HYBRID):
+    if not host_can_run(config.weight_sharing and config.mode.has_prefill):
         raise InvalidInputError(
             "--evaluate runs the .pte on the x86 HTP emulator, which cannot load a hybrid .pte with shared weights: "
             "add --no-weight-sharing, or evaluate on a Snapdragon host"

@@ -126,6 +126,55 @@ def ring_mask(
     return np.where(allowed, 0.0, MASK_MIN).astype(dtype).reshape(1, 1, ar_len, ring_len + ar_len)
 
 
+def tree_mask(
+    parents: "list[int]",
+    offsets: "list[int]",
+    ar_len: int,
+    context_len: int,
+    n_past: int,
+    *,
+    window: int | None = None,
+    dtype: "np.typing.DTypeLike" = np.float32,
+) -> np.ndarray:
+    """The additive mask of one call whose tokens form a tree (lookahead decoding's guesses).
+
+    Row i sits at position ``n_past + offsets[i]`` and continues row ``parents[i]`` (-1: it continues the cache
+    only). It attends to the cache slots ``[0, n_past)``, to itself and to its ancestors' columns, and with a window
+    only to those less than ``window`` positions before it. Rows beyond ``len(parents)`` are padding: cache and self.
+
+    Example: parents [-1, 0, 0], offsets [0, 1, 1], n_past=2, context_len=7, ar_len=3 (two guesses for one
+    position, each continuing row 0)::
+
+                cache slots  | new
+        row 0:  x  x  .  .   | x  .  .
+        row 1:  x  x  .  .   | x  x  .
+        row 2:  x  x  .  .   | x  .  x
+
+    Returns:
+        A ``[1, 1, ar_len, context_len]`` array of 0 / MASK_MIN.
+    """
+    cache_len = context_len - ar_len
+    if n_past < 0 or n_past > cache_len:
+        raise ValueError(f"n_past={n_past} is outside the cache of {cache_len} slots")
+    if len(parents) > ar_len or len(offsets) != len(parents):
+        raise ValueError(f"A tree of {len(parents)} rows ({len(offsets)} offsets) does not fit a call of {ar_len}")
+    pos = np.zeros(ar_len, dtype=np.int64)
+    pos[: len(offsets)] = offsets
+    allowed = np.zeros((ar_len, context_len), dtype=bool)
+    allowed[:, :n_past] = True
+    for i in range(ar_len):
+        row = i
+        while row >= 0:  # the row itself, then its ancestors
+            allowed[i, cache_len + row] = True
+            row = parents[row] if row < len(parents) else -1
+            if row >= i:
+                raise ValueError(f"Row {i}'s ancestor {row} does not come before it")
+    if window is not None:
+        col_pos = np.concatenate([np.arange(cache_len) - n_past, pos])  # relative to n_past
+        allowed &= (pos[:, None] - col_pos[None, :]) < window
+    return np.where(allowed, 0.0, MASK_MIN).astype(dtype).reshape(1, 1, ar_len, context_len)
+
+
 def window_band(ar_len: int, context_len: int, window: int, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
     """The sliding window among one call's own tokens: MASK_MIN where row i meets column ``C - ar_len + c`` with
     ``i - c >= window``, 0 everywhere else (every cache column included).

@@ -24,7 +24,8 @@ from optimum_qnn.runtime.stops import conversation_stop_ids
 logger = logging.getLogger(__name__)
 
 # What `chat(**defaults)` and `send(**overrides)` pass on to `generate`.
-GENERATION_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "generator"})
+GENERATION_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "generator",
+                                "speculative"})
 
 
 class ChatSession:
@@ -55,7 +56,9 @@ class ChatSession:
         if system is not None and (not isinstance(system, str) or not system.strip()):
             raise InvalidInputError(f"system must be a non-empty string (or None); got {system!r}")
         self.model, self.tokenizer, self.system = model, tokenizer, system
-        self.defaults = _options(defaults, "chat()")
+        # A variant exported for lookahead decoding decodes with it (greedy output is the same, in fewer calls).
+        speculative = getattr(model, "default_speculative", None)
+        self.defaults = {**({"speculative": speculative} if speculative else {}), **_options(defaults, "chat()")}
         self.stats = GenerationStats()
         self.stop_ids = set(conversation_stop_ids(model.manifest.tokenizer.eos_ids, tokenizer))
         self.reset()

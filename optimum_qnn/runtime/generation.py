@@ -54,7 +54,26 @@ class GenerationStats:
     decode_tokens_per_s: float = 0.0
     host_overhead_share: float = 0.0
     stopped_by: str = ""
-    step_times: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # seconds of each decode call
+    speculative: str = ""  # "lookahead" when the decode calls verified guesses, else ""
+    decode_tokens: int = 0  # new tokens the decode calls gave (all but the first, which the prompt's logits give)
+    drafted_tokens: int = 0  # guessed positions the calls could verify (lookahead: N - 1 a call that had a candidate)
+    accepted_tokens: int = 0  # guessed tokens accepted
+
+    @property
+    def target_calls(self) -> int:
+        """Decode calls of the exported model."""
+        return len(self.step_times)
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        """New tokens per decode call: 1 for plain decoding, up to N with lookahead."""
+        return self.decode_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted guessed tokens / guessed positions verified (None without guesses)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,23 @@ def prompt_ids(input_ids) -> np.ndarray:
     if ids.size == 0:
         raise InvalidInputError("The prompt is empty: pass at least one token id (e.g. the BOS id)")
     return ids  # the range of the ids is checked by the session, for every call
+
+
+SPECULATIVE = ("lookahead",)
+
+
+def check_speculative(speculative: Any, lookahead: Any, variant: str) -> None:
+    """``speculative`` of `generate`: None, or a kind the variant was exported for (``lookahead``: a variant
+    exported with ``--mode lookahead``, whose manifest records N, W and G)."""
+    if speculative is None:
+        return
+    if speculative not in SPECULATIVE:
+        raise InvalidInputError(f"speculative must be None or one of: {', '.join(SPECULATIVE)}; got {speculative!r}")
+    if lookahead is None:
+        raise InvalidInputError(
+            f"speculative={speculative!r} needs a variant exported for it; {variant} was not: export one with "
+            "`optimum-qnn export ... --mode lookahead --ngram N --window W --gcap G`, or leave speculative unset"
+        )
 
 
 def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator, cancel=None) -> None:

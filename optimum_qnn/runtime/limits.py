@@ -27,15 +27,19 @@ from optimum_qnn.errors import ContextOverflowError
 
 DEFAULT_MAX_NEW_TOKENS = 256
 PREFILL_METHOD = "prefill_forward"  # `contract.PREFILL_METHOD`, named again so this module stays import-light
+DECODE_METHOD = "kv_forward"
 BACKEND_KINDS = ("host", "runner", "adb")
 
 
-def _host_limit(context_len: int, prefill_ar: int) -> tuple[int, int]:
-    return context_len, 1  # (longest prompt, new tokens beyond C - P)
+def _host_limit(context_len: int, prefill_ar: int, decode_ar: int) -> tuple[int, int, int]:
+    # (longest prompt, positions in use, new tokens beyond them - P): a decode call of AR tokens (a lookahead
+    # export's) needs AR - 1 free slots after the cache, so AR - 1 positions of the context stay unused.
+    usable = context_len - decode_ar + 1
+    return usable, usable, 1
 
 
-def _runner_limit(context_len: int, prefill_ar: int) -> tuple[int, int]:
-    return context_len - prefill_ar, 0
+def _runner_limit(context_len: int, prefill_ar: int, decode_ar: int) -> tuple[int, int, int]:
+    return context_len - prefill_ar, context_len, 0
 
 
 _PROMPT_LIMIT = {"host": _host_limit, "runner": _runner_limit, "adb": _runner_limit}
@@ -49,6 +53,7 @@ class Limits:
     context_len: int
     max_prompt: int
     extra: int  # new tokens the backend makes beyond C - P (the host's last token is never fed back)
+    usable: int = 0  # positions of the context a generation can use (0: all of them)
 
     @classmethod
     def of(cls, contract: Any, device: str) -> "Limits":
@@ -59,12 +64,13 @@ class Limits:
             raise ValueError(f"Unknown backend kind {kind!r}; expected one of: {', '.join(_PROMPT_LIMIT)}")
         ars = {m.name: m.ar_len for m in contract.methods}
         prefill_ar = ars.get(PREFILL_METHOD, min(ars.values()))
-        max_prompt, extra = _PROMPT_LIMIT[kind](contract.context_len, prefill_ar)
-        return cls(kind, contract.context_len, max_prompt, extra)
+        decode_ar = ars.get(DECODE_METHOD, 1)
+        max_prompt, usable, extra = _PROMPT_LIMIT[kind](contract.context_len, prefill_ar, decode_ar)
+        return cls(kind, contract.context_len, max_prompt, extra, usable)
 
     def room(self, prompt_len: int) -> int:
         """How many new tokens can follow a prompt of ``prompt_len`` tokens (0 when it does not fit)."""
-        return max(0, self.context_len - prompt_len + self.extra) if prompt_len <= self.max_prompt else 0
+        return max(0, (self.usable or self.context_len) - prompt_len + self.extra) if prompt_len <= self.max_prompt else 0
 
     def default_max_new_tokens(self, prompt_len: int) -> int:
         """`DEFAULT_MAX_NEW_TOKENS`, never more than `room`."""

@@ -30,7 +30,7 @@ from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.ops.arrays import like
 from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
-    RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, prompt_ids,
+    RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, check_speculative, prompt_ids,
 )
 from optimum_qnn.runtime.limits import limits_of
 from optimum_qnn.runtime.stops import text_stop_ids
@@ -178,6 +178,7 @@ class QNNModelForCausalLM:
         generator: Any = None,
         reuse_cache: bool = False,
         cancel: Callable[[], bool] | None = None,
+        speculative: str | None = None,
     ) -> Any:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (a list of ints, a numpy array or a torch tensor);
         returns ``[1, prompt + new]`` ids: a torch tensor when ``input_ids`` is one, else a numpy int64 array.
@@ -195,6 +196,10 @@ class QNNModelForCausalLM:
         ``reuse_cache=True``: the host backend keeps the K/V of the longest prefix of ``input_ids`` that its caches
         hold from the previous call (a prompt plus its generated tokens) and prefills only the rest;
         ``self.stats.reused_tokens`` says how many. A runner backend keeps nothing between calls.
+
+        ``speculative="lookahead"`` (a variant exported with ``--mode lookahead``; `speculative_choices`): each
+        decode call verifies guessed n-grams, as ExecuTorch's runner does with ``--eval_mode 2``; greedy output is
+        plain greedy output. ``self.stats`` reports ``tokens_per_target_call`` and ``acceptance_rate``.
         """
         prompt = prompt_ids(input_ids)
         limits = limits_of(self)
@@ -204,15 +209,27 @@ class QNNModelForCausalLM:
         check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator, cancel)
         if not isinstance(reuse_cache, bool):
             raise InvalidInputError(f"reuse_cache must be True or False; got {reuse_cache!r}")
+        check_speculative(speculative, self.manifest.contract.lookahead, self.variant.name)
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        extra = {} if speculative is None else {"speculative": speculative}
         new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer,
-                                    reuse_cache=reuse_cache, cancel=cancel)
+                                    reuse_cache=reuse_cache, cancel=cancel, **extra)
         if streamer is not None:
             if not getattr(self.backend, "streams", False):  # a runner gives its text when it exits
                 for token in new:
                     streamer.put(np.array([token]))
             streamer.end()
         return like(input_ids, np.array([prompt.tolist() + new], dtype=np.int64))
+
+    @property
+    def speculative_choices(self) -> tuple[str, ...]:
+        """The ``speculative`` values `generate` accepts for this variant (``("lookahead",)`` or ``()``)."""
+        return ("lookahead",) if self.manifest.contract.lookahead is not None else ()
+
+    @property
+    def default_speculative(self) -> str | None:
+        """What `chat` and `serve` decode with: the variant's speculative decoding when it has one, else None."""
+        return self.speculative_choices[0] if self.speculative_choices else None
 
     def chat(self, system: str | None = None, *, tokenizer: Any = None, **generation_defaults: Any) -> "ChatSession":
         """Start a conversation (`runtime.chat.ChatSession`): ``send(text)`` returns each reply, and on the host backend

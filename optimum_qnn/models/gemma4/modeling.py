@@ -39,7 +39,7 @@ class StaticCausalLM:
     @classmethod
     def from_hf(
         cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False,
-        cache_layout: CacheLayout = CacheLayout.FULL, hidden_output: bool = False,
+        cache_layout: CacheLayout = CacheLayout.FULL, hidden_output: bool = False, decode_ar_len: int = 1,
     ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
@@ -53,6 +53,8 @@ class StaticCausalLM:
                 full layout, which ExecuTorch's C++ runner reads, gives every cache ``C - ar``.
             hidden_output: every method also returns the final hidden state ``hidden`` ``[1, ar, hidden_size]``
                 (after the norm), last: what a Gemma 4 assistant beside the target reads (docs/assistant.md).
+            decode_ar_len: tokens per decode call: 1, or a lookahead export's AR (`optimum_qnn.lookahead`). Its graph
+                gets no window band: the host's tree mask applies the window by position.
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -75,16 +77,17 @@ class StaticCausalLM:
                 f"ar_len must be an integer in [1, {max_context_len - 1}] (below max_context_len), or None for decode "
                 f"only; got {ar_len!r}"
             )
-        ar_lens = {DECODE_METHOD: 1}
+        ar_lens = {DECODE_METHOD: decode_ar_len}
         if ar_len is not None and ar_len > 1:
-            ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: 1}
+            ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: decode_ar_len}
         cache_layout = CacheLayout.parse(cache_layout)
         window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
         try:  # before the swap: a ring that cannot help is refused before any module is built
             ring = check_ring(cache_layout, gemma4_layer_specs(text_config), max_context_len, window)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
-        options = StaticOptions(max_context_len=max_context_len, quantized=quantized, ar_lens=tuple(ar_lens.values()),
+        options = StaticOptions(max_context_len=max_context_len, quantized=quantized,
+                                ar_lens=tuple(ar for ar in ar_lens.values() if decode_ar_len == 1 or ar != decode_ar_len),
                                 ring_len=ring, hidden_output=hidden_output)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()

@@ -20,7 +20,9 @@ import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.errors import ContextOverflowError
+from optimum_qnn.lookahead import Lookahead
 from optimum_qnn.runtime.generation import GenerationStats, Sampling, common_prefix, eos_ids
+from optimum_qnn.runtime.lookahead import LookaheadDecoder
 from optimum_qnn.session import KVSession, MethodFn
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class InProcessBackend:
         self.clock = clock
         self.session = KVSession(self.contract, methods)
         self.held: list[int] = []  # the tokens whose K/V the caches hold, slots [0, len(held))
+        self.lookahead = lookahead_of(manifest)
 
     def clear_cache(self) -> None:
         """Forget what the caches hold: the next call prefills its whole prompt even with ``reuse_cache=True``."""
@@ -52,11 +55,13 @@ class InProcessBackend:
         self.session.reset()
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
-                 streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
+                 streamer: Any, *, reuse_cache: bool = False, cancel: Any = None,
+                 speculative: str | None = None) -> list[int]:
         """The new tokens after ``prompt`` (1-D ids, checked by the caller); fills ``self.stats``.
 
         ``reuse_cache``: keep the K/V of the longest prefix of ``prompt`` the caches hold (at least one prompt token
         is always fed, for its logits). ``cancel``: called before each decode step; True stops the reply there.
+        ``speculative="lookahead"``: decode with lookahead decoding (`runtime.lookahead`; checked by the caller).
         """
         session = self.session
         capacity = session.capacity
@@ -82,15 +87,21 @@ class InProcessBackend:
         stats.prefill_tokens_per_s = stats.prefilled_tokens / max(stats.time_to_first_token_s, 1e-9)
         new: list[int] = []
         decode_exec = 0.0
-        for step in range(max_new_tokens):
-            token = sampling.pick(logits)
-            new.append(token)
-            if streamer is not None:
-                streamer.put(np.array([token]))
-            if token in eos:
+        if speculative == "lookahead":
+            decoder = LookaheadDecoder(session, self.lookahead, prompt, sampling)
+            step = lambda token, limit: decoder.step(token, limit, eos)  # noqa: E731
+        else:
+            step = lambda token, limit: [sampling.pick(session.feed(np.array([token]))[-1])]  # noqa: E731
+        pending = [sampling.pick(logits)] if max_new_tokens else []
+        while pending:
+            for token in pending:
+                new.append(token)
+                if streamer is not None:
+                    streamer.put(np.array([token]))
+            if new[-1] in eos:
                 stats.stopped_by = "eos"
                 break
-            if step == max_new_tokens - 1:
+            if len(new) >= max_new_tokens:
                 break
             if cancel is not None and cancel():
                 stats.stopped_by = "cancelled"
@@ -101,17 +112,27 @@ class InProcessBackend:
                 break
             before = self.clock.total
             s0 = time.perf_counter()
-            logits = session.feed(np.array([token]))[-1]
+            pending = step(new[-1], max_new_tokens - len(new))
             stats.step_times.append(time.perf_counter() - s0)
+            stats.decode_tokens += len(pending)
             decode_exec += self.clock.total - before
+        if speculative == "lookahead":
+            stats.speculative = speculative
+            stats.drafted_tokens, stats.accepted_tokens = decoder.drafted, decoder.accepted
         stats.new_tokens = len(new)
         self.held = (ids + new)[: session.stored]  # the last new token was never fed: stored <= len(ids + new) - 1
         decode_time = sum(stats.step_times)
         if stats.step_times:
-            stats.decode_tokens_per_s = len(stats.step_times) / decode_time
+            stats.decode_tokens_per_s = stats.decode_tokens / decode_time
             stats.host_overhead_share = max(0.0, 1.0 - decode_exec / decode_time)
         self.stats = stats
         return new
+
+
+def lookahead_of(manifest: Manifest) -> Lookahead | None:
+    """N, W and G of a variant exported with ``--mode lookahead`` (from its manifest), else None."""
+    info = manifest.contract.lookahead
+    return None if info is None else Lookahead(info.ngram, info.window, info.gcap)
 
 
 class ExecuTorchBackend(InProcessBackend):

@@ -117,6 +117,8 @@ class RunnerBackend:
         self.stats = GenerationStats()
         self.report: RunnerReport | None = None
         self.hybrid = any(m.name == PREFILL_METHOD for m in self.contract.methods)
+        # A lookahead export runs as ExecuTorch runs it: --eval_mode 2 with the N, W, G its manifest records.
+        self.lookahead = manifest.contract.lookahead
         spec = DeviceSpec.parse(device)
         if spec.kind == "host":
             raise InvalidInputError(
@@ -162,8 +164,12 @@ class RunnerBackend:
     # -- generation --------------------------------------------------------------------------------------------
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
-                 streamer: Any, *, reuse_cache: bool = False, cancel: Any = None) -> list[int]:
+                 streamer: Any, *, reuse_cache: bool = False, cancel: Any = None,
+                 speculative: str | None = None) -> list[int]:
         """The new tokens after ``prompt``; fills ``self.stats`` from the runner's own figures.
+
+        A lookahead variant always decodes with lookahead decoding here (the runner's ``--eval_mode 2``), so
+        ``speculative`` changes nothing.
 
         The runner also stops at its own end tokens (`runner_stop_ids`); ``eos_token_id`` can only stop earlier.
         Sampling takes ``temperature`` only (the runner's sampler has fixed top-p and seeds itself from the clock).
@@ -225,7 +231,7 @@ class RunnerBackend:
             "--model_path", f"{v}/model.pte",
             "--tokenizer_path", f"{v}/tokenizer",
             "--tokenized_prompt", f"{v}/prompt.raw",
-            "--eval_mode", "1" if self.hybrid else "0",
+            *(self.lookahead.runner_args if self.lookahead else ["--eval_mode", "1" if self.hybrid else "0"]),
             "--seq_len", str(seq_len),
             "--temperature", repr(float(temperature)),
             "--output_path", f"{v}/outputs/outputs.txt",

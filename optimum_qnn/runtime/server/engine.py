@@ -123,8 +123,10 @@ class Engine:
                 return job
             streamer = _JobStreamer(job, self.tokenizer)
             try:
+                speculative = getattr(self.model, "default_speculative", None)  # lookahead when exported for it
+                options = {**({"speculative": speculative} if speculative else {}), **job.options}
                 self.model.generate(job.ids, streamer=streamer, cancel=job.cancelled.is_set, reuse_cache=True,
-                                    **job.options)
+                                    **options)
             except Exception as e:  # the worker outlives a failing backend; the server answers with the error
                 job.error, job.finish_reason = e, "error"
                 if isinstance(e, OptimumQnnError):
