@@ -111,13 +111,20 @@ def largest_context(layers: tuple[LayerSpec, ...], ar_lens: tuple[int, ...], win
     return limit // per_column
 
 
+def call_lengths(config: ExportConfig) -> tuple[int, ...]:
+    """Tokens per call of each method the export makes: the decode call (1, or a lookahead export's AR), and the
+    prefill call's where there is one."""
+    decode_ar = config.lookahead.ar_len if config.lookahead is not None else 1
+    return (decode_ar, config.shapes.prefill_ar_len) if config.mode.has_prefill else (decode_ar,)
+
+
 def largest_compiling_context(layers: tuple[LayerSpec, ...], window: int | None, config: ExportConfig) -> int | None:
     """The largest context every target SoC of ``config`` compiles (its layout and IO), or None when the rule sets no
     bound (float IO, or no cache grows with the context)."""
     element = integer_io_bytes(config)
     if element is None or os.environ.get(NO_TCM_CHECK_ENV) == "1":
         return None
-    ar_lens = (1, config.shapes.prefill_ar_len) if config.mode is ExportMode.HYBRID else (1,)
+    ar_lens = call_lengths(config)
     bounds = [largest_context(layers, ar_lens, window, config.shapes.cache_layout, element, tcm_limit(soc))
               for soc in config.socs]
     return min((b for b in bounds if b is not None), default=None)
@@ -133,8 +140,7 @@ def check_tcm(layers: tuple[LayerSpec, ...], window: int | None, config: ExportC
     if element is None or os.environ.get(NO_TCM_CHECK_ENV) == "1":
         return
     shapes = config.shapes
-    decode_ar = config.lookahead.ar_len if config.lookahead is not None else 1
-    ar_lens = (decode_ar, shapes.prefill_ar_len) if config.mode.has_prefill else (decode_ar,)
+    ar_lens = call_lengths(config)
     tensor = largest_cache_tensor(layers, shapes.max_seq_len, ar_lens, window, shapes.cache_layout, element)
     for soc in sorted(config.socs, key=tcm_limit):
         limit = tcm_limit(soc)
