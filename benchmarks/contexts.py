@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +34,6 @@ sys.path.insert(0, str(HERE))
 
 ROWS = HERE / "contexts.json"
 SM8750_PEAK_GBPS = 84.8  # LPDDR5X-5300 (5300 MHz, double data rate) x 64-bit bus = 84.8 GB/s
-_BYTES = {"float32": 4, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1}
 
 
 def _load() -> dict:
@@ -55,15 +53,11 @@ def _commit() -> str:
 
 def call_bytes(contract) -> dict[str, dict[str, int]]:
     """Bytes in and out of each method per call, and the KV caches' share of the inputs (the runner contract)."""
-    result = {}
-    for method in contract.methods:
-        def size(tensors):
-            return sum(math.prod(t.shape) * _BYTES[t.dtype] for t in tensors)
+    from io_bytes import tensor_bytes
 
-        caches = [t for t in method.inputs if "cache" in t.name]
-        result[method.name] = {"in": size(method.inputs), "out": size(method.outputs), "kv_in": size(caches),
-                               "ar": method.ar_len}
-    return result
+    return {m.name: {"in": tensor_bytes(m.inputs), "out": tensor_bytes(m.outputs),
+                     "kv_in": tensor_bytes(t for t in m.inputs if "cache" in t.name), "ar": m.ar_len}
+            for m in contract.methods}
 
 
 def graph_needs(pte: Path) -> dict:

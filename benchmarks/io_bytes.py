@@ -12,6 +12,7 @@ Usage: python benchmarks/io_bytes.py [--contexts 1024 4096] [--prefill 128] [--l
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(HERE))
 from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, CacheLayout, RunnerContract  # noqa: E402
 from optimum_qnn.models.gemma4.modules import gemma4_layer_specs  # noqa: E402
 
-_BYTES = {"float32": 4, "int64": 8, "int32": 4, "uint16": 2}
+_BYTES = {"float32": 4, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1}
 
 
 def contracts(context: int, prefill: int, layout: CacheLayout = CacheLayout.FULL) -> tuple[RunnerContract, RunnerContract]:
@@ -38,19 +39,14 @@ def contracts(context: int, prefill: int, layout: CacheLayout = CacheLayout.FULL
     return float_io, float_io.with_quantized_io({name: (1.0, 0, "uint16") for name in names})
 
 
+def tensor_bytes(tensors) -> int:
+    """The bytes of these contract tensors (static shapes and dtypes)."""
+    return sum(math.prod(t.shape) * _BYTES[t.dtype] for t in tensors)
+
+
 def call_bytes(contract: RunnerContract, method: str) -> tuple[int, int]:
     spec = contract.method(method)
-
-    def size(tensors) -> int:
-        total = 0
-        for t in tensors:
-            n = 1
-            for d in t.shape:
-                n *= d
-            total += n * _BYTES[t.dtype]
-        return total
-
-    return size(spec.inputs), size(spec.outputs)
+    return tensor_bytes(spec.inputs), tensor_bytes(spec.outputs)
 
 
 def table(contexts=(1024, 4096), prefill: int = 128) -> str:
