@@ -36,6 +36,8 @@ def test_the_prompt_limit_and_room_of_each_backend():
     with pytest.raises(ContextOverflowError, match=r"81 tokens .*holds 96 .*at most 80 \(ExecuTorch's runner"):
         runner.check_prompt(81)
     host.check_prompt(96)
+    lookahead = _contract(256, ("prefill_forward", 32), ("kv_forward", 32))  # ExecuTorch stops past C - AR
+    assert Limits.of(lookahead, "runner").room(200) == 25 and Limits.of(lookahead, "host").room(200) == 26
     with pytest.raises(ValueError, match="Unknown backend kind 'ort'; expected one of: host, runner, adb"):
         Limits.of(HYBRID, "ort")
 

@@ -12,7 +12,9 @@ The rule, per backend kind (a new backend is one more entry of `_PROMPT_LIMIT`):
 - ``runner`` / ``adb`` (ExecuTorch's ``qnn_llama_runner``): its prompt processor needs
   ``start_pos + prompt_len <= CL - AR`` (``prompt_processor.cpp``), AR of the method that prefills
   (``prefill_forward`` in hybrid mode, else ``kv_forward``'s 1); it generates up to ``--seq_len`` = C positions in
-  all, so C - P tokens follow.
+  all, so C - P tokens follow. A lookahead export (``kv_forward`` of AR > 1, its ``--eval_mode 2``) stops once a
+  round has taken the position past C - AR (``lhd_token_generator.cpp``): C - AR + 1 positions are sure, so
+  C - AR + 1 - P tokens follow.
 
 ``max_new_tokens`` left unset means `DEFAULT_MAX_NEW_TOKENS`, never more than the room after the prompt: the same
 default for `generate`, `text_generation`, `run`, `chat` (per reply) and `serve` (``max_tokens`` unset).
@@ -39,7 +41,7 @@ def _host_limit(context_len: int, prefill_ar: int, decode_ar: int) -> tuple[int,
 
 
 def _runner_limit(context_len: int, prefill_ar: int, decode_ar: int) -> tuple[int, int, int]:
-    return context_len - prefill_ar, context_len, 0
+    return context_len - prefill_ar, context_len if decode_ar == 1 else context_len - decode_ar + 1, 0
 
 
 _PROMPT_LIMIT = {"host": _host_limit, "runner": _runner_limit, "adb": _runner_limit}
