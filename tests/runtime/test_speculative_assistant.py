@@ -353,3 +353,21 @@ def test_the_choices_follow_the_manifest_and_the_backend():
     with pytest.raises(InvalidInputError, match="one of: lookahead, assistant; got 'medusa'"):
         check_speculative("medusa", ("assistant",), "v1")
     check_speculative("assistant", ("assistant",), "v1")
+
+
+def test_the_model_decodes_with_its_assistant_by_default_in_chat_and_serve():
+    """`QNNModelForCausalLM` over the tiny pair: `default_speculative` (what `chat` and `serve` pass) is the
+    assistant; generate(speculative="assistant") gives plain greedy's ids, and its stats count both kinds of call."""
+    from pathlib import Path
+
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    backend = _backend("ring")
+    model = QNNModelForCausalLM(Path("art"), Path("art/variant"), backend.manifest, backend)
+    assert model.speculative_choices == ("assistant",) and model.default_speculative == "assistant"
+    prompt = _prompt(5).tolist()
+    got = model.generate(prompt, max_new_tokens=12, eos_token_id=[], speculative="assistant")
+    s = model.stats
+    assert (s.speculative, s.target_calls, s.drafter_calls, s.decode_tokens) == ("assistant", 11, 27, 11)
+    assert got.tolist() == model.generate(prompt, max_new_tokens=12, eos_token_id=[]).tolist()
+    assert model.stats.speculative == "" and model.stats.drafter_calls == 0
