@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from optimum_qnn.artifacts.manifest import AssistantInfo
 from optimum_qnn.contract import CacheLayout
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.runtime.assistant import accept_drafts
@@ -117,6 +116,12 @@ def test_greedy_rule_keeps_the_matching_prefix_and_the_targets_next_token():
 # --- eager static graphs through the host backend's loop ----------------------------------------------------------
 
 
+def _record(method: str, window: int) -> SimpleNamespace:
+    """The manifest's ``contract.assistant`` as the runtime reads it (`runtime.assistant.assistant_of`: these four
+    fields; the export may record more)."""
+    return SimpleNamespace(draft_len=K, method=method, verify_ar=K + 1, sliding_window=window)
+
+
 @functools.lru_cache(maxsize=None)
 def _tiny_pair(layout: str):
     """A tiny target with the hidden output and a decode call of K + 1 tokens, its tiny drafter as
@@ -134,7 +139,7 @@ def _tiny_pair(layout: str):
     contract = dataclasses.replace(target.contract, methods=target.contract.methods + (drafter.method,))
     methods = {m.name: torch_method(target.module) for m in target.contract.methods}
     methods[drafter.method.name] = torch_method(drafter.module)
-    return contract, methods, AssistantInfo(K, drafter.method.name, K + 1, drafter.window), drafter
+    return contract, methods, _record(drafter.method.name, drafter.window), drafter
 
 
 def _backend(layout: str, draft=None):
@@ -339,7 +344,7 @@ def test_the_choices_follow_the_manifest_and_the_backend():
     from optimum_qnn.runtime.generation import check_speculative
     from optimum_qnn.runtime.modeling import speculative_kinds
 
-    record = AssistantInfo(K, "draft_forward", K + 1, 8)
+    record = _record("draft_forward", 8)
 
     def manifest(lookahead=None, assistant=None):
         return SimpleNamespace(contract=SimpleNamespace(lookahead=lookahead, assistant=assistant))
