@@ -376,3 +376,13 @@ def test_the_model_decodes_with_its_assistant_by_default_in_chat_and_serve():
     assert (s.speculative, s.target_calls, s.drafter_calls, s.decode_tokens) == ("assistant", 11, 27, 11)
     assert got.tolist() == model.generate(prompt, max_new_tokens=12, eos_token_id=[]).tolist()
     assert model.stats.speculative == "" and model.stats.drafter_calls == 0
+
+
+def test_the_run_stats_line_counts_target_and_drafter_calls():
+    from optimum_qnn.__main__ import _speculative_stats
+    from optimum_qnn.runtime.generation import GenerationStats
+
+    s = GenerationStats(speculative="assistant", decode_tokens=12, drafted_tokens=9, accepted_tokens=6,
+                        drafter_calls=9, step_times=[0.1] * 6)
+    assert _speculative_stats(s) == " | assistant: 2.00 tokens per call, acceptance 67 %, 6 target + 9 drafter calls"
+    assert _speculative_stats(GenerationStats()) == ""
