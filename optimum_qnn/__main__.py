@@ -98,9 +98,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap --prompt in the tokenizer's chat template; the reply stops at the end of its turn")
     parser.add_argument("--max-new-tokens", type=int, default=None, help=_MAX_NEW_HELP)
-    parser.add_argument("--speculative", choices=["lookahead"], default=None,
-                        help="lookahead: decode with lookahead decoding (a variant exported with --mode lookahead; the "
-                        "same greedy text in fewer decode calls); the stats line adds tokens per call and acceptance")
+    parser.add_argument("--speculative", choices=["lookahead", "assistant"], default=None,
+                        help="lookahead: decode with lookahead decoding (a variant exported with --mode lookahead); "
+                        "assistant: with the variant's drafter (exported with --assistant; host devices only). The "
+                        "same greedy text in fewer decode calls; the stats line adds tokens per call and acceptance")
     _add_verbose(parser)
 
     def handler(args: argparse.Namespace) -> int:
@@ -121,7 +122,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             with third_party_quiet(args.verbose, keep_stdout=True):  # the text streams as it comes
                 from optimum_qnn.runtime.text_stream import PrintingStreamer
 
-                model = _load_variant(args)
+                model = _load_variant(args, speculative=args.speculative)
                 try:
                     tokenizer = model.tokenizer()
                 except OptimumQnnError:
@@ -151,11 +152,13 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _speculative_stats(s) -> str:
-    """`` | lookahead: T tokens per call, acceptance A %`` after a speculative generation, else nothing."""
+    """`` | lookahead: T tokens per call, acceptance A %`` after a speculative generation (with an assistant, then
+    its target and drafter calls), else nothing."""
     if not s.speculative:
         return ""
     rate = "n/a" if s.acceptance_rate is None else f"{100 * s.acceptance_rate:.0f} %"
-    return f" | {s.speculative}: {s.tokens_per_target_call:.2f} tokens per call, acceptance {rate}"
+    calls = f", {s.target_calls} target + {s.drafter_calls} drafter calls" if s.speculative == "assistant" else ""
+    return f" | {s.speculative}: {s.tokens_per_target_call:.2f} tokens per call, acceptance {rate}{calls}"
 
 
 def _add_variant_args(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +184,8 @@ def _add_variant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
 
 
-def _load_variant(args: argparse.Namespace):
+def _load_variant(args: argparse.Namespace, speculative: str | None = None):
+    """The variant the arguments select; one without the ``speculative`` decoding asked for is refused first."""
     from optimum_qnn.host_memory import parse_max_memory
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
@@ -189,7 +193,7 @@ def _load_variant(args: argparse.Namespace):
     return QNNModelForCausalLM.from_pretrained(
         args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, cache_layout=args.cache_layout,
         max_memory=None if args.max_memory is None else parse_max_memory(args.max_memory), revision=args.revision,
-        device=args.device, **options,
+        device=args.device, speculative=speculative, **options,
     )
 
 

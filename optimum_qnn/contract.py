@@ -23,6 +23,8 @@ PREFILL_METHOD = "prefill_forward"
 DECODE_METHOD = "kv_forward"
 # An MTP drafter (Gemma 4's assistant) beside the target: see docs/assistant.md.
 DRAFT_METHOD = "draft_forward"
+# The extra last output of a target built for an assistant: its final hidden state, what the drafter reads.
+HIDDEN_OUTPUT = "hidden"
 
 
 class AttentionKind(enum.Enum):
@@ -304,7 +306,7 @@ def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, 
     outputs += [TensorSpec(f"k_new_{l.index}", (1, l.kv_heads, l.head_dim, ar), "float32") for l in owners]
     outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]
     if hidden_size is not None:
-        outputs.append(TensorSpec("hidden", (1, ar, hidden_size), "float32"))
+        outputs.append(TensorSpec(HIDDEN_OUTPUT, (1, ar, hidden_size), "float32"))
     return MethodSpec(name, ar, tuple(inputs), tuple(outputs))
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, AttentionKind, RunnerContract
+from optimum_qnn.contract import DECODE_METHOD, HIDDEN_OUTPUT, PREFILL_METHOD, AttentionKind, RunnerContract
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 from optimum_qnn.ops.arrays import as_numpy, is_torch, like
 from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask, tree_mask
@@ -79,6 +79,9 @@ class KVSession:
         self.n_past = 0
         self._method_inputs: dict[str, _MethodInputs] = {}
         self._pending: Sequence[Any] | None = None  # the outputs of the last tree_call, until accept()
+        # The last call's final hidden states [tokens, hidden_size] (float32), in a variant whose methods output
+        # them (built with an assistant: docs/assistant.md); None otherwise.
+        self.hidden: np.ndarray | None = None
 
     @property
     def capacity(self) -> int:
@@ -131,9 +134,20 @@ class KVSession:
         buffers = self._inputs_of(spec)
         buffers.update(chunk, self.n_past)
         outputs = self.methods[spec.name](self._inputs(spec, buffers))
+        self._keep_hidden(spec, outputs, n_valid)
         self._store(outputs, chunk, np.arange(n_valid))
         logits = outputs[0][0, :n_valid]
         return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
+
+    def _keep_hidden(self, spec, outputs: Sequence[Any], n_valid: int) -> None:
+        """``self.hidden``: the ``hidden`` output's rows of the call's ``n_valid`` tokens (a copy: a runtime may
+        reuse its output buffers), or None when the method has no such output."""
+        out = spec.outputs[-1]
+        if out.name != HIDDEN_OUTPUT:
+            self.hidden = None
+            return
+        rows = np.array(as_numpy(outputs[-1])[0, :n_valid])
+        self.hidden = out.dequantize(rows) if out.quantized else rows
 
     def _store(self, outputs: Sequence[Any], tokens: np.ndarray, rows: np.ndarray) -> None:
         """Copy the new K/V of the call's ``rows`` (ascending) into the slots after ``n_past``, in that order, as
@@ -151,7 +165,7 @@ class KVSession:
         ring_slots = (np.arange(lo + first, lo + keep) % self.ring_len) if self.ring_len is not None else None
         for i in range(n):
             k_new, v_new = as_numpy(outputs[1 + i]), as_numpy(outputs[1 + n + i])
-            if self.is_ring[i]:  # tree calls are refused with a ring: rows are 0..n here
+            if self.is_ring[i]:  # tree calls are refused with a ring, chain calls keep rows 0..n: rows are 0..n here
                 self.k_bufs[i][..., ring_slots] = k_new[..., first:keep]
                 self.v_bufs[i][:, :, ring_slots, :] = v_new[:, :, first:keep, :]
                 continue
@@ -168,14 +182,31 @@ class KVSession:
             InvalidInputError: a ring cache layout (its sliding mask has no tree form).
             ContextOverflowError: the cache has no room for the call.
         """
-        spec = self.decode_spec
         if self.ring_len is not None:
             raise InvalidInputError("Lookahead decoding needs the full cache layout; this variant has --cache-layout ring")
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return self._pending_call(tokens, lambda b: b.tree(tokens, self.n_past, list(parents), list(offsets)))
+
+    def chain_call(self, tokens: np.ndarray) -> np.ndarray:
+        """One decode call on consecutive tokens (speculative decoding's verification: the last token and the
+        drafts), the tree whose row i continues row i - 1, in either cache layout (its masks are a prefill's).
+        Returns their logits; nothing is stored until `accept` keeps a prefix of the rows (``rows`` 0, 1, ...).
+
+        Raises:
+            ContextOverflowError: the cache has no room for the call.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return self._pending_call(tokens, lambda b: b.update(tokens, self.n_past))
+
+    def _pending_call(self, tokens: np.ndarray, fill: Callable[["_MethodInputs"], None]) -> np.ndarray:
+        """One decode call whose inputs ``fill`` writes; its outputs wait for `accept`."""
+        spec = self.decode_spec
         if self.n_past > spec.cache_len:
             raise ContextOverflowError(f"{self.n_past} tokens do not fit the {spec.cache_len} cache slots of {spec.name}")
         buffers = self._inputs_of(spec)
-        buffers.tree(np.asarray(tokens, dtype=np.int64), self.n_past, list(parents), list(offsets))
+        fill(buffers)
         self._pending = self.methods[spec.name](self._inputs(spec, buffers))
+        self._keep_hidden(spec, self._pending, len(tokens))
         logits = as_numpy(self._pending[0])[0, : len(tokens)]
         return self.logits_spec.dequantize(logits) if self.logits_spec.quantized else logits
 

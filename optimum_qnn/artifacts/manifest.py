@@ -25,8 +25,9 @@ from optimum_qnn.errors import OptimumQnnError
 
 # 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified). 1.2 added
 # `quantization.weight_rounding` (absent: "nearest"). 1.3 added `mixed_precision.sensitivity_probes` (absent: not
-# recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding).
-SCHEMA_VERSION = "1.4"
+# recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding). 1.5 added `contract.assistant` (absent:
+# no drafter).
+SCHEMA_VERSION = "1.5"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -148,6 +149,19 @@ class LookaheadInfo:
 
 
 @dataclass(frozen=True)
+class AssistantInfo:
+    """A variant exported with a Gemma 4 assistant (docs/assistant.md): ``method`` drafts one token per call from the
+    target's caches and last hidden state; ``kv_forward`` verifies ``draft_len`` drafts after the last token in one
+    call of ``verify_ar`` (= draft_len + 1) tokens; ``sliding_window`` is the drafter's own window (its sliding
+    layers read the target's K/V of the last ``sliding_window`` positions)."""
+
+    draft_len: int
+    method: str
+    verify_ar: int
+    sliding_window: int
+
+
+@dataclass(frozen=True)
 class Contract:
     """The runner contract (see docs/runner_contract.md)."""
 
@@ -167,6 +181,7 @@ class Contract:
     # sliding_window slots, position p in slot p % sliding_window (optimum_qnn.contract.CacheLayout).
     cache_layout: str = "full"
     lookahead: LookaheadInfo | None = None  # set by `--mode lookahead` (since 1.4)
+    assistant: AssistantInfo | None = None  # set by `--assistant` (since 1.5)
 
 
 @dataclass(frozen=True)

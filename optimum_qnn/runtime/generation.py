@@ -55,10 +55,11 @@ class GenerationStats:
     host_overhead_share: float = 0.0
     stopped_by: str = ""
     step_times: list[float] = field(default_factory=list)  # seconds of each decode call
-    speculative: str = ""  # "lookahead" when the decode calls verified guesses, else ""
+    speculative: str = ""  # "lookahead" or "assistant" when the decode calls verified guesses, else ""
     decode_tokens: int = 0  # new tokens the decode calls gave (all but the first, which the prompt's logits give)
     drafted_tokens: int = 0  # guessed positions the calls could verify (lookahead: N - 1 a call that had a candidate)
     accepted_tokens: int = 0  # guessed tokens accepted
+    drafter_calls: int = 0  # calls of the assistant's drafter (speculative="assistant"): K per target call
 
     @property
     def target_calls(self) -> int:
@@ -67,7 +68,7 @@ class GenerationStats:
 
     @property
     def tokens_per_target_call(self) -> float:
-        """New tokens per decode call: 1 for plain decoding, up to N with lookahead."""
+        """New tokens per decode call: 1 for plain decoding, up to N with lookahead, up to K + 1 with an assistant."""
         return self.decode_tokens / self.target_calls if self.target_calls else 0.0
 
     @property
@@ -88,6 +89,18 @@ class Sampling:
 
     def pick(self, logits: np.ndarray) -> int:
         return pick(logits, self.do_sample, self.temperature, self.top_k, self.top_p, self.generator)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution `pick` draws from when sampling (temperature, top-k and top-p applied), float64."""
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One token from ``probs`` (any non-negative weights), one uniform number from ``generator``."""
+        return draw(probs, self.generator)
+
+    def uniform(self) -> float:
+        """One number in [0, 1) from ``generator``."""
+        return _uniform(self.generator)
 
 
 def prompt_ids(input_ids) -> np.ndarray:
@@ -125,20 +138,28 @@ def prompt_ids(input_ids) -> np.ndarray:
     return ids  # the range of the ids is checked by the session, for every call
 
 
-SPECULATIVE = ("lookahead",)
+SPECULATIVE = ("lookahead", "assistant")
+# How to export a variant for each kind (the fix a refusal gives).
+_EXPORT_FOR = {
+    "lookahead": "`optimum-qnn export ... --mode lookahead --ngram N --window W --gcap G`",
+    "assistant": "`optimum-qnn export ... --assistant REPO_OR_DIR` (a Gemma 4 assistant beside its target) and run "
+                 "it on a host device (ExecuTorch's C++ runner has no drafter)",
+}
 
 
-def check_speculative(speculative: Any, lookahead: Any, variant: str) -> None:
-    """``speculative`` of `generate`: None, or a kind the variant was exported for (``lookahead``: a variant
-    exported with ``--mode lookahead``, whose manifest records N, W and G)."""
+def check_speculative(speculative: Any, choices: Sequence[str], variant: str) -> None:
+    """``speculative`` of `generate`: None, or a kind the variant was exported for (``choices``: ``lookahead`` for a
+    variant exported with ``--mode lookahead``, whose manifest records N, W and G; ``assistant`` for one exported
+    with a drafter, whose manifest records ``contract.assistant``)."""
     if speculative is None:
         return
     if speculative not in SPECULATIVE:
         raise InvalidInputError(f"speculative must be None or one of: {', '.join(SPECULATIVE)}; got {speculative!r}")
-    if lookahead is None:
+    if speculative not in choices:
+        has = f"has only speculative={choices[0]!r}" if choices else "has no speculative decoding"
         raise InvalidInputError(
-            f"speculative={speculative!r} needs a variant exported for it; {variant} was not: export one with "
-            "`optimum-qnn export ... --mode lookahead --ngram N --window W --gcap G`, or leave speculative unset"
+            f"speculative={speculative!r} needs a variant exported for it; {variant} was not (it {has}): export one "
+            f"with {_EXPORT_FOR[speculative]}, or leave speculative unset"
         )
 
 
@@ -206,7 +227,13 @@ def pick(logits: np.ndarray, do_sample: bool, temperature: float, top_k, top_p, 
     if not do_sample:
         return int(np.argmax(logits))
     check_sampling(do_sample, temperature, top_k, top_p)
-    scores = logits.astype(np.float64) / temperature
+    return draw(probabilities(logits, temperature, top_k, top_p), generator)
+
+
+def probabilities(logits: np.ndarray, temperature: float, top_k, top_p) -> np.ndarray:
+    """The filtered softmax of one row of logits that `pick` samples from: scaled by ``temperature``, then only the
+    ``top_k`` best, then the smallest set whose probability reaches ``top_p`` (float64, sums to 1)."""
+    scores = as_numpy(logits).astype(np.float64) / temperature
     if top_k is not None and top_k > 0:
         kth = np.partition(scores, -min(top_k, scores.size))[-min(top_k, scores.size)]
         scores = np.where(scores < kth, -np.inf, scores)
@@ -215,8 +242,14 @@ def pick(logits: np.ndarray, do_sample: bool, temperature: float, top_k, top_p, 
         probs = _softmax(scores[order])
         drop = np.cumsum(probs) - probs > top_p  # keep the token that crosses top_p
         scores[order[drop]] = -np.inf
-    cdf = np.cumsum(_softmax(scores))
-    return int(min(np.searchsorted(cdf, _uniform(generator) * cdf[-1], side="right"), scores.size - 1))
+    return _softmax(scores)
+
+
+def draw(probs: np.ndarray, generator: Any) -> int:
+    """One index drawn from ``probs`` (non-negative, not necessarily normalized): one uniform number from
+    ``generator`` mapped through the cumulative distribution."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, _uniform(generator) * cdf[-1], side="right"), cdf.size - 1))
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.ops.arrays import like
+from optimum_qnn.runtime.assistant import assistant_of
 from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
     RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, check_speculative, prompt_ids,
@@ -89,6 +90,7 @@ class QNNModelForCausalLM:
         max_memory: float | None = None,
         revision: str | None = None,
         device: str = "host",
+        speculative: str | None = None,
         **device_options: Any,
     ) -> "QNNModelForCausalLM":
         """Load one variant of an artifact folder or Hub repo, verified against its manifest.
@@ -110,6 +112,8 @@ class QNNModelForCausalLM:
                 ``"host:onnxruntime"`` (that runtime), ``"runner"`` (ExecuTorch's C++ runner here) or
                 ``"adb"`` / ``"adb:SERIAL"`` (that runner on a phone). ``device_options`` go to the runner backend
                 (`runtime.backends.runner.RunnerBackend`: ``runner``, ``qnn_sdk_root``, ``shared_buffer``).
+            speculative: the speculative decoding the caller will ask `generate` for (``"lookahead"``,
+                ``"assistant"``): a variant without it is refused from its manifest, before its program is loaded.
         """
         if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
             raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
@@ -149,6 +153,8 @@ class QNNModelForCausalLM:
             raise VariantNotFoundError(f"{root} has no {INDEX_NAME}: it is not an optimum-qnn artifact folder")
         variant = resolve_inside(root, entry["path"])
         manifest = read_manifest(variant)
+        # Before the files are hashed and the program loaded: the manifest says what the variant can decode with.
+        check_speculative(speculative, speculative_kinds(manifest, in_process=spec.kind == "host"), variant.name)
         verify_files(variant, manifest, root=root, allowed_root=blobs)
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
@@ -199,7 +205,10 @@ class QNNModelForCausalLM:
 
         ``speculative="lookahead"`` (a variant exported with ``--mode lookahead``; `speculative_choices`): each
         decode call verifies guessed n-grams, as ExecuTorch's runner does with ``--eval_mode 2``; greedy output is
-        plain greedy output. ``self.stats`` reports ``tokens_per_target_call`` and ``acceptance_rate``.
+        plain greedy output. ``speculative="assistant"`` (a variant exported with ``--assistant``, on a host backend):
+        the drafter drafts K tokens and one decode call verifies them (`runtime.assistant`); greedy output is plain
+        greedy output, sampled output is drawn from the target's own distribution. ``self.stats`` reports
+        ``tokens_per_target_call``, ``acceptance_rate`` and, with an assistant, ``drafter_calls``.
         """
         prompt = prompt_ids(input_ids)
         limits = limits_of(self)
@@ -209,7 +218,7 @@ class QNNModelForCausalLM:
         check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p, streamer, generator, cancel)
         if not isinstance(reuse_cache, bool):
             raise InvalidInputError(f"reuse_cache must be True or False; got {reuse_cache!r}")
-        check_speculative(speculative, self.manifest.contract.lookahead, self.variant.name)
+        check_speculative(speculative, self.speculative_choices, self.variant.name)
         sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         extra = {} if speculative is None else {"speculative": speculative}
         new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer,
@@ -223,8 +232,9 @@ class QNNModelForCausalLM:
 
     @property
     def speculative_choices(self) -> tuple[str, ...]:
-        """The ``speculative`` values `generate` accepts for this variant (``("lookahead",)`` or ``()``)."""
-        return ("lookahead",) if self.manifest.contract.lookahead is not None else ()
+        """The ``speculative`` values `generate` accepts for this variant on this backend (``("lookahead",)``,
+        ``("assistant",)`` or ``()``)."""
+        return speculative_kinds(self.manifest, in_process=getattr(self.backend, "runs_assistant", False))
 
     @property
     def default_speculative(self) -> str | None:
@@ -286,6 +296,14 @@ class QNNModelForCausalLM:
         return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
+
+
+def speculative_kinds(manifest: Manifest, *, in_process: bool) -> tuple[str, ...]:
+    """The speculative decodings ``manifest``'s variant was exported for: ``lookahead`` (every backend: ExecuTorch's
+    runner runs it with ``--eval_mode 2``) and ``assistant`` (``in_process`` backends only: the C++ runner has no
+    drafter)."""
+    kinds = ("lookahead",) if manifest.contract.lookahead is not None else ()
+    return kinds + (("assistant",) if in_process and assistant_of(manifest) is not None else ())
 
 
 def host_backend(variant: Path, manifest: Manifest, spec: DeviceSpec, *, allowed_root: Path | None = None) -> Any:

@@ -21,6 +21,7 @@ import numpy as np
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.errors import ContextOverflowError
 from optimum_qnn.lookahead import Lookahead
+from optimum_qnn.runtime.assistant import AssistantDecoder, assistant_of
 from optimum_qnn.runtime.generation import GenerationStats, Sampling, common_prefix, eos_ids
 from optimum_qnn.runtime.lookahead import LookaheadDecoder
 from optimum_qnn.session import KVSession, MethodFn
@@ -34,6 +35,7 @@ class InProcessBackend:
 
     runtime = ""  # the subclass's: "executorch" or "onnxruntime"
     streams = True  # the streamer gets each token as it is generated
+    runs_assistant = True  # decodes with a variant's drafter (speculative="assistant"); a C++ runner cannot
 
     @property
     def name(self) -> str:
@@ -48,6 +50,7 @@ class InProcessBackend:
         self.session = KVSession(self.contract, methods)
         self.held: list[int] = []  # the tokens whose K/V the caches hold, slots [0, len(held))
         self.lookahead = lookahead_of(manifest)
+        self.assistant = assistant_of(manifest)
 
     def clear_cache(self) -> None:
         """Forget what the caches hold: the next call prefills its whole prompt even with ``reuse_cache=True``."""
@@ -61,7 +64,8 @@ class InProcessBackend:
 
         ``reuse_cache``: keep the K/V of the longest prefix of ``prompt`` the caches hold (at least one prompt token
         is always fed, for its logits). ``cancel``: called before each decode step; True stops the reply there.
-        ``speculative="lookahead"``: decode with lookahead decoding (`runtime.lookahead`; checked by the caller).
+        ``speculative="lookahead"``: decode with lookahead decoding (`runtime.lookahead`); ``"assistant"``: with
+        the variant's drafter (`runtime.assistant`). Both checked by the caller.
         """
         session = self.session
         capacity = session.capacity
@@ -90,6 +94,9 @@ class InProcessBackend:
         if speculative == "lookahead":
             decoder = LookaheadDecoder(session, self.lookahead, prompt, sampling)
             step = lambda token, limit: decoder.step(token, limit, eos)  # noqa: E731
+        elif speculative == "assistant":
+            decoder = AssistantDecoder(session, self.assistant, session.methods[self.assistant.method], sampling)
+            step = lambda token, limit: decoder.step(token, limit, eos)  # noqa: E731
         else:
             step = lambda token, limit: [sampling.pick(session.feed(np.array([token]))[-1])]  # noqa: E731
         pending = [sampling.pick(logits)] if max_new_tokens else []
@@ -116,9 +123,10 @@ class InProcessBackend:
             stats.step_times.append(time.perf_counter() - s0)
             stats.decode_tokens += len(pending)
             decode_exec += self.clock.total - before
-        if speculative == "lookahead":
+        if speculative is not None:
             stats.speculative = speculative
             stats.drafted_tokens, stats.accepted_tokens = decoder.drafted, decoder.accepted
+            stats.drafter_calls = getattr(decoder, "drafter_calls", 0)
         stats.new_tokens = len(new)
         self.held = (ids + new)[: session.stored]  # the last new token was never fed: stored <= len(ids + new) - 1
         decode_time = sum(stats.step_times)
