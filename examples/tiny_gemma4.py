@@ -132,6 +132,13 @@ def train_tokenizer(text: str, vocab: int = VOCAB) -> Tokenizer:
 def train(
     model: Gemma4ForCausalLM, ids: torch.Tensor, steps: int, seq: int = 96, batch: int = 16, lr: float = 3e-3
 ) -> float:
+    return fit(model, lambda x: model(input_ids=x, labels=x).loss, ids, steps, seq, batch, lr)
+
+
+def fit(model: torch.nn.Module, loss_of: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, steps: int,
+        seq: int, batch: int, lr: float, *, what: str = "train step", every: int = 100) -> float:
+    """Train ``model``'s parameters on ``loss_of(batch of seq-token windows of ids)`` (AdamW, one-cycle schedule, a
+    seeded window sampler); returns the last loss."""
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
@@ -139,14 +146,13 @@ def train(
     loss = torch.tensor(0.0)
     for step in range(steps):
         starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=gen)
-        x = torch.stack([ids[s : s + seq] for s in starts])
-        loss = model(input_ids=x, labels=x).loss
+        loss = loss_of(torch.stack([ids[s : s + seq] for s in starts]))
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"  train step {step + 1}/{steps}  loss {loss.item():.3f}", flush=True)
+        if step % every == 0 or step == steps - 1:
+            print(f"  {what} {step + 1}/{steps}  loss {loss.item():.3f}", flush=True)
     model.eval()
     return loss.item()
 
@@ -156,7 +162,7 @@ def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
     out = Path(out)
     if is_built(out, steps, size):
         return out
-    with _reproducible():
+    with reproducible():
         _build(out, size, steps)
     return out
 
@@ -179,11 +185,11 @@ def _stamp(steps: int | None, size: str) -> dict:
 
 
 @contextlib.contextmanager
-def _reproducible():
-    """Seeded, deterministic kernels on TRAIN_THREADS threads; the caller's settings come back afterwards."""
+def reproducible(train_threads: int = TRAIN_THREADS):
+    """Seeded, deterministic kernels on ``train_threads`` threads; the caller's settings come back afterwards."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     rng = torch.random.get_rng_state()
-    torch.set_num_threads(TRAIN_THREADS)
+    torch.set_num_threads(train_threads)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
     try:

@@ -85,11 +85,27 @@ def demo_model_dir() -> Path:
     import tiny_gemma4
 
     out = DEMO_CACHE / "demo-gemma4"
-    if not tiny_gemma4.is_built(out):  # trained in a fresh interpreter: nothing a test has set in this one changes it
-        proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "tiny_gemma4.py"), str(out)], env=child_env(),
+    return _built_example("tiny_gemma4.py", [out], lambda: tiny_gemma4.is_built(out))
+
+
+@pytest.fixture(scope="session")
+def demo_assistant_dir(demo_model_dir) -> Path:
+    """The demo model's assistant (MTP drafter), distilled from it on the demo corpus; built once per machine (cached
+    by its recipe and the demo model's own stamp) beside the demo model."""
+    import tiny_gemma4_assistant  # on sys.path through the demo_model_dir fixture
+
+    out = DEMO_CACHE / "demo-gemma4-assistant"
+    return _built_example("tiny_gemma4_assistant.py", [demo_model_dir, out],
+                          lambda: tiny_gemma4_assistant.is_built(demo_model_dir, out))
+
+
+def _built_example(script: str, args: Sequence[Path], is_built: Callable[[], bool]) -> Path:
+    """Run examples/SCRIPT ARGS unless ``is_built()``; returns the last argument (the folder it writes)."""
+    if not is_built():  # trained in a fresh interpreter: nothing a test has set in this one changes it
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / script), *map(str, args)], env=child_env(),
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
-        assert proc.returncode == 0 and tiny_gemma4.is_built(out), proc.stderr[-3000:]
-    return out
+        assert proc.returncode == 0 and is_built(), proc.stderr[-3000:]
+    return args[-1]
 
 
 @pytest.fixture(scope="session")
