@@ -7,7 +7,14 @@ fairest ratio on a shared host). All get the same inputs (random runner-contract
 outputs were byte-identical. The variant is the demo model exported as `make demo` does (16a8w hybrid, SM8650,
 context 128, prefill 16, asymmetric 8-bit tables), built once into --work, or given with --variant.
 
+`--generate N` runs the model instead, as a user does: each runtime in its own child process loads the variant with
+`QNNModelForCausalLM.from_pretrained(artifact, device="host:<runtime>")` and generates N tokens greedily from a fixed
+prompt of ids (random-weight checkpoints have no tokenizer), reporting load time, time to first token, decode seconds
+per token, peak RSS and the tokens, which must be the same through both (the full-size E2B row:
+`--variant <unshared E2B variant> --generate 16 --json benchmarks/ort_vs_executorch_e2b.json`).
+
 Usage: python benchmarks/ort_vs_executorch.py [--variant DIR] [--decode-calls 30] [--prefill-calls 8] [--rounds 2]
+       [--generate N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -110,6 +117,35 @@ def child(runtime: str, variant: Path, calls: dict[str, int]) -> dict:
     return result
 
 
+PROMPT_LEN = 8
+
+
+def generate_child(runtime: str, variant: Path, tokens: int) -> dict:
+    """Load ``variant`` as a user does through ``runtime`` and generate ``tokens`` greedily; runs in a fresh process."""
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    manifest = read_manifest(variant)
+    t0 = time.perf_counter()
+    model = QNNModelForCausalLM.from_pretrained(  # the artifact folder: <artifact>/qnn/<soc>/<variant>
+        variant.parents[2], soc=manifest.target.soc,
+        context_len=manifest.contract.context_len, cache_layout=manifest.contract.cache_layout, device=f"host:{runtime}")
+    load_s = time.perf_counter() - t0
+    import numpy as np
+
+    prompt = np.random.default_rng(0).integers(0, manifest.contract.vocab_size, PROMPT_LEN).tolist()  # fixed, seeded
+    t0 = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=tokens, eos_token_id=[])
+    wall_s = time.perf_counter() - t0
+    s = model.stats
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    return {"runtime": runtime, "load_s": load_s, "generate_s": wall_s, "ttft_s": s.time_to_first_token_s,
+            "decode_s_per_token": statistics.median(s.step_times) if s.step_times else None,
+            "decode_calls": len(s.step_times), "prompt_tokens": s.prompt_tokens,
+            "tokens": [int(t) for t in out[0][PROMPT_LEN:]], "peak_rss_mb": peak}
+
+
 def interleaved(variant: Path, calls: dict[str, int]) -> dict:
     """Both runtimes in one process (ExecuTorch loaded first), one call of each in turn: both see the same load,
     which on a shared host moves more between two processes than the runtimes differ."""
@@ -149,12 +185,17 @@ def main() -> None:
     parser.add_argument("--decode-calls", type=int, default=30)
     parser.add_argument("--prefill-calls", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; each runtime keeps its best")
+    parser.add_argument("--generate", type=int, metavar="N", help="generate N tokens through each runtime instead")
+    parser.add_argument("--note", default="", help="with --generate: what the variant is, stored with the rows")
     parser.add_argument("--child", choices=(*RUNTIMES, "interleaved"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     calls = {"kv_forward": args.decode_calls, "prefill_forward": args.prefill_calls}
     if args.child == "interleaved":
         print(json.dumps(interleaved(args.variant, calls)))
+        return
+    if args.child and args.generate:
+        print(json.dumps(generate_child(args.child, args.variant, args.generate)))
         return
     if args.child:
         print(json.dumps(child(args.child, args.variant, calls)))
@@ -170,13 +211,17 @@ def main() -> None:
     def run_child(mode: str) -> dict:
         proc = subprocess.run(
             [sys.executable, __file__, "--child", mode, "--variant", str(variant),
-             "--decode-calls", str(args.decode_calls), "--prefill-calls", str(args.prefill_calls)],
+             "--decode-calls", str(args.decode_calls), "--prefill-calls", str(args.prefill_calls),
+             *(["--generate", str(args.generate)] if args.generate else [])],
             capture_output=True, text=True, cwd=REPO,
         )
         if proc.returncode != 0:
             sys.exit(f"{mode} child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
+    if args.generate:
+        generated(variant, [run_child(r) for r in RUNTIMES], args.json, args.note)
+        return
     for runtime in [r for _ in range(args.rounds) for r in RUNTIMES]:
         row = run_child(runtime)
         kept = best.setdefault(runtime, row)
@@ -203,6 +248,20 @@ def main() -> None:
     print(f"outputs byte-identical: {same}")
     if args.json:
         args.json.write_text(json.dumps({"variant": str(variant), "rows": rows, "interleaved": mixed, "identical": same}, indent=2) + "\n")
+
+
+def generated(variant: Path, rows: list[dict], out: Path | None, note: str) -> None:
+    """The table of a --generate run; the rows go to ``out``."""
+    ort, et = rows
+    print(f"variant: {variant}")
+    print(f"{'':<26}{'onnxruntime':>13}{'executorch':>13}{'ort/et':>9}")
+    for key, label in (("load_s", "load s"), ("ttft_s", "first token s"), ("decode_s_per_token", "decode s/token (median)"),
+                       ("peak_rss_mb", "peak RSS MB")):
+        print(f"{label:<26}{ort[key]:>13.3f}{et[key]:>13.3f}{ort[key] / et[key]:>9.2f}")
+    same = ort["tokens"] == et["tokens"]
+    print(f"{ort['decode_calls'] + 1} tokens, the same through both: {same}")
+    if out:
+        out.write_text(json.dumps({"variant": str(variant), "note": note, "generate": rows, "identical": same}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -262,7 +262,8 @@ def render(results: dict) -> str:
         + phone_section(stored("phone_size.json")) + probe_section(stored("sensitivity_probe.json"))
         + chat_section(stored("chat_reuse.json")) + profile_section(stored("lowering_profile.json"))
         + multi_soc_section(stored("multi_soc.json")) + matrix_section(stored("matrix.json"))
-        + runtimes_section(stored("ort_vs_executorch.json")) + contexts.section(stored("contexts.json"))
+        + runtimes_section(stored("ort_vs_executorch.json"))
+        + generate_section(stored("ort_vs_executorch_e2b.json")) + contexts.section(stored("contexts.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text
@@ -305,6 +306,23 @@ def runtimes_section(rows: dict) -> str:
         "runtime in its own child process, one after the other (ExecuTorch's load includes importing torch), then both "
         f"in one process taking turns; outputs byte-identical: {rows.get('identical')}.\n\n"
         + markdown(["", "onnxruntime", "ExecuTorch", "ratio"], lines) + "\n"
+    )
+
+
+def generate_section(rows: dict) -> str:
+    """A full-size export generating through both in-process runtimes (ort_vs_executorch.py --generate)."""
+    if not rows:
+        return ""
+    by = {r["runtime"]: r for r in rows["generate"]}
+    ort, et = by["onnxruntime"], by["executorch"]
+    lines = [[label, f"{ort[key]:{fmt}}", f"{et[key]:{fmt}}", f"{ort[key] / et[key]:.2f}"]
+             for key, label, fmt in (("load_s", "load s", ".1f"), ("ttft_s", "first token s", ".2f"),
+                                     ("decode_s_per_token", "decode s/token (median)", ".2f"),
+                                     ("peak_rss_mb", "peak RSS MB", ".0f"))]
+    return (
+        "\n### A full-size Gemma-4-E2B export through both runtimes\n\n"
+        f"benchmarks/ort_vs_executorch.py --generate: {rows['note']} The same {len(ort['tokens'])} tokens through both: "
+        f"{rows['identical']}.\n\n" + markdown(["", "onnxruntime", "ExecuTorch", "ratio"], lines) + "\n"
     )
 
 
