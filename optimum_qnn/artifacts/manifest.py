@@ -164,9 +164,11 @@ class Contract:
     # QNN delegates per method (context binaries in the .pte); above 1 they hand over through `llama::fallback`.
     shards: int = 1
     # "full": every cache C - ar slots (ExecuTorch's C++ runner's layout); "ring": sliding layers keep
-    # sliding_window slots, position p in slot p % sliding_window (optimum_qnn.contract.CacheLayout).
+    # sliding_window slots, position p in slot p % sliding_window; "blocks": see block_len (optimum_qnn.contract.CacheLayout).
     cache_layout: str = "full"
     lookahead: LookaheadInfo | None = None  # set by `--mode lookahead` (since 1.4)
+    # "blocks": slots per cache block; every cache that is no ring is inputs `{k,v}_cache_{i}_block{b}`.
+    block_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -447,6 +449,8 @@ def mixed_precision_section(plan) -> MixedPrecision | None:
 _FULL_UPDATE = "smart_mask: copy k_new/v_new into slots [n_past, n_past+n) of caches [.., C-1]; nothing shifts"
 _RING_UPDATE = (_FULL_UPDATE + "; sliding layers: a ring of sliding_window slots, k_new/v_new of position p into slot "
                 "p % sliding_window, sliding_atten_mask over the ring's slots then the call's own tokens")
+_BLOCKS_UPDATE = (_RING_UPDATE + " (where the window is shorter than C - 1); every other cache: inputs of "
+                  "block_len slots, block b holding slots [b * block_len, (b + 1) * block_len)")
 
 
 def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None) -> Contract:
@@ -459,7 +463,7 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         mask_attend=float(d["mask_attend"]),
         mask_masked=float(d["mask_masked"]),
         rope="tables inside the graph, indexed by input_pos; partial RoPE on full layers is zero-padded",
-        kv_update=_RING_UPDATE if d["cache_layout"] == "ring" else _FULL_UPDATE,
+        kv_update={"ring": _RING_UPDATE, "blocks": _BLOCKS_UPDATE}.get(d["cache_layout"], _FULL_UPDATE),
         weight_sharing=weight_sharing,
         layers=[Layer(**layer) for layer in d["layers"]],
         methods=[
@@ -473,4 +477,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         shards=shards,
         cache_layout=d["cache_layout"],
         lookahead=None if lookahead is None else LookaheadInfo(**lookahead.to_dict()),
+        block_len=d["block_len"],
     )
