@@ -266,8 +266,9 @@ def qnn_refusal_message(soc: Soc, native_text: str) -> str:
                 f"bytes ({needed / MIB:.1f} MiB) in TCM at once, and {soc.value} has {soc.info.vtcm_mb} MiB "
                 f"({vtcm_bytes(soc)} bytes) of VTCM (the largest measured to compile: {tcm_limit(soc)} bytes). At long "
                 "contexts that tensor is a uint16 KV cache input (KV heads x head_dim x context x 2 bytes): choose a "
-                "smaller --max-seq-len, --cache-layout ring when the sliding layers' caches are the large ones, or "
-                "--float-io; another --quant keeps the same cache. QNN's own output is above, and -v shows all of it.")
+                "smaller --max-seq-len, --cache-layout blocks (caches cut into inputs that fit; the default where the "
+                "full layout cannot compile), --cache-layout ring when the sliding layers' caches are the large ones, "
+                "or --float-io; another --quant keeps the same cache. QNN's own output is above, and -v shows all of it.")
     ops = list(dict.fromkeys(_QNN_OP_REFUSED.findall(native_text)))
     errors = list(dict.fromkeys(m.strip() for m in _QNN_ERROR.findall(native_text)))
     said = f"it could not create {', '.join(ops[:3])}" if ops else (errors[0] if errors else "no reason printed")

@@ -346,9 +346,7 @@ def prepare(program, quantizer) -> torch.fx.GraphModule:
 
     def annotate_around_weight_casts(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
         _mark_weight_casts_annotated(model)
-        model = annotate(model)
-        _observe_matmul_graph_inputs(model)
-        return model
+        return annotate(model)
 
     quantizer.annotate = annotate_around_weight_casts
     try:
@@ -387,33 +385,6 @@ def _observer_constructors_not_copied() -> Iterator[None]:
     finally:
         torchao_prepare._get_observer_kwargs = original
 
-
-
-_MATMULS = (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
-
-
-def _observe_matmul_graph_inputs(graph: torch.fx.GraphModule) -> None:
-    """Give a graph input that a matmul reads as its second operand (a cache block of `CacheLayout.BLOCKS`) its own
-    activation observer, the matmul's first operand's kind (uint16).
-
-    QNN's HTP matmul takes a 16-bit second operand only as signed symmetric int16 (ExecuTorch's `MatMul` annotation),
-    and with nothing between the input and the matmul that int16 encoding became the graph input's: integer IO then
-    has no unsigned dtype for it. Observed first as an activation, the input keeps the uint16 encoding the host's
-    caches hold, and the matmul reads a requantized copy, as it does behind the `cat` of the full layout."""
-    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
-
-    key = "quantization_annotation"
-    for node in graph.graph.nodes:
-        if node.op != "placeholder" or key in node.meta:
-            continue
-        for user in node.users:
-            annotation = user.meta.get(key)
-            if (user.op == "call_function" and user.target in _MATMULS and len(user.args) > 1 and user.args[1] is node
-                    and annotation is not None and isinstance(user.args[0], torch.fx.Node)
-                    and user.args[0] in annotation.input_qspec_map):
-                node.meta[key] = QuantizationAnnotation(output_qspec=annotation.input_qspec_map[user.args[0]],
-                                                        _annotated=True)
-                break
 
 
 def _mark_weight_casts_annotated(graph: torch.fx.GraphModule) -> None:

@@ -173,7 +173,13 @@ class StaticGemma4Attention(nn.Module):
             k_new = k.permute(0, 2, 3, 1)
             v_new = v.transpose(1, 2)
             if isinstance(k_in, list):  # the blocks layout: never joined, so no tensor holds a whole cache
-                k_full, v_full = [*k_in, k_new], [*v_in, v_new]
+                # `+ 0.0` stands where the full layout's `cat` stands: a graph input must not feed a matmul directly.
+                # With integer IO it then took the matmul's signed int16 operand encoding (no unsigned IO dtype), and
+                # ExecuTorch's `to_executorch` re-ran the delegate's graph with the uint16 input going into `bmm`
+                # ("expected scalar type torch.float32 but found torch.uint16"). The add keeps the input an
+                # activation (uint16) and promotes it to float in that re-run, as `cat` does.
+                k_full = [k + 0.0 for k in k_in] + [k_new]
+                v_full = [v + 0.0 for v in v_in] + [v_new]
             else:
                 k_full = torch.cat([k_in, k_new], dim=-1)
                 v_full = torch.cat([v_in, v_new], dim=-2)

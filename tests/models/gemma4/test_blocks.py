@@ -9,6 +9,7 @@ Hugging Face's eager model, greedy tokens equal to the full-length layout's.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,3 +89,17 @@ def test_block_len_goes_with_the_blocks_layout() -> None:
         StaticCausalLM.from_hf(tiny_model(cfg), max_context_len=CTX, cache_layout=CacheLayout.BLOCKS)
     with pytest.raises(InvalidInputError, match="block_len 20 splits caches in the blocks layout only"):
         StaticCausalLM.from_hf(tiny_model(cfg), max_context_len=CTX, block_len=20)
+
+
+def test_blocks_move_the_rings_bytes_at_e2b_32k() -> None:
+    """At Gemma-4-E2B's layout and 32768 tokens, the blocks layout moves per call exactly the bytes of the ring layout
+    (the same slots, cut into inputs of 8192), and the variant's memory estimate counts every block."""
+    from benchmarks.io_bytes import call_bytes, contracts
+
+    for method in (DECODE_METHOD, PREFILL_METHOD):
+        ring, blocks = contracts(32768, 128, CacheLayout.RING)[1], contracts(32768, 128, CacheLayout.BLOCKS)[1]
+        assert call_bytes(blocks, method) == call_bytes(ring, method)
+        names = [t.name for t in blocks.method(method).inputs if t.name.startswith("k_cache_")]
+        assert sum(n.endswith("_block3") for n in names) == 3 and not any(n.endswith("_block4") for n in names)
+        big = max(np.prod(t.shape) * 2 for t in blocks.method(method).inputs if "_cache_" in t.name)
+        assert big <= 8 * 2**20  # every cache input compiles (uint16)
