@@ -422,6 +422,9 @@ def draft_method(contract: RunnerContract, sources: dict[AttentionKind, LayerSpe
     host hands the drafter the very buffers the target reads. Outputs: ``logits`` [1, 1, vocab]; ``hidden_out``
     [1, 1, hidden_size].
     """
+    if contract.cache_layout is CacheLayout.BLOCKS:
+        raise ValueError("A drafter reads its target's caches as one tensor each; the blocks cache layout cuts them "
+                         "into several inputs: export the target with --cache-layout full or ring")
     decode = {t.name: t for t in contract.method(DECODE_METHOD).inputs}
     layers = [sources[AttentionKind.FULL], sources[AttentionKind.SLIDING]]
     k = [decode[f"k_cache_{layer.index}"] for layer in layers]

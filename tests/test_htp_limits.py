@@ -147,6 +147,11 @@ def test_default_flags_at_32k_take_the_blocks_layout_for_e2b(caplog):
         ShapeConfig(8192, 128, cache_layout=CacheLayout.FULL)  # the runner's layout wherever it compiles
     with pytest.raises(InvalidInputError, match="--max-seq-len 8192 is the largest context that compiles for SM8650"):
         choose_layout(layers, cfg.sliding_window, _config(32768, QuantScheme.A16W4_BLOCK))  # --cache-layout full
+    from optimum_qnn.config import Lookahead
+
+    lookahead = dataclasses.replace(auto, mode=ExportMode.LOOKAHEAD, lookahead=Lookahead(3, 2, 2))
+    with pytest.raises(InvalidInputError, match="--max-seq-len 8192 is the largest"):  # lookahead keeps the full layout
+        choose_layout(layers, cfg.sliding_window, lookahead)
     with pytest.raises(InvalidInputError, match=r"65536 cannot compile .*attention mask \(128 x 65536 .*"
                                                 r"--max-seq-len 32768 is the largest context that compiles for SM8650"):
         choose_layout(layers, cfg.sliding_window, _config(65536, QuantScheme.A16W4_BLOCK, layout=None))

@@ -189,6 +189,9 @@ def choose_layout(layers: tuple[LayerSpec, ...], window: int | None, config: Exp
     """
     shapes = config.shapes
     layout = shapes.cache_layout
+    if layout is None and config.lookahead is not None:  # a tree's mask has no ring or blocks form
+        layout = CacheLayout.FULL
+        config = _with_layout(config, layout)
     if layout is None:
         full = _with_layout(config, CacheLayout.FULL)
         try:
