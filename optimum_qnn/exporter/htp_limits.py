@@ -17,10 +17,12 @@ input, over the columns one call attends to (``kv_heads x head_dim x columns x 2
 The columns are ``C`` for a full-length cache (its ``C - ar`` slots plus the call's own ``ar``) and
 ``sliding_window + ar`` for a ring (`CacheLayout.RING`). 8a8w's uint8 caches are counted at one byte (not measured).
 
-The blocks layout (`CacheLayout.BLOCKS`) keeps every tensor of a cache below the limit: each cache that is no ring
-enters as blocks of at most `block_len_for` slots, and attention never joins them (`ops.attention.blocked_gqa`); its
-largest inputs are then a block, a ring, or a mask (``ar x C``, counted under the same limit here: not measured above
-8 MiB). Without ``--cache-layout`` the exporter keeps the full layout where it compiles and takes the blocks layout
+What QNN tiles is the cache as one tensor, not attention's work: cut into inputs of at most 8 MiB that attention
+never joins (the blocks layout, `CacheLayout.BLOCKS`, `ops.attention.blocked_gqa`: each block's scores on their own,
+the scores joined, one softmax, each block's probabilities times its values), head_dim 512 at 16384 columns (two
+blocks of 8192, 8 MiB each) compiled where the one 16 MiB input was refused (16a8w, kv, SM8650: exit 0 in 618 s).
+In the blocks layout the largest inputs are a block, a ring, or a mask (``ar x C``, counted under the same limit
+here: not measured above 8 MiB). Without ``--cache-layout`` the exporter keeps the full layout where it compiles and takes the blocks layout
 where it does not (`choose_layout`).
 """
 
