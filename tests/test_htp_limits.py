@@ -211,3 +211,17 @@ def test_export_without_max_seq_len_says_its_context(random_model_dir, tmp_path,
     assert rc == 2
     assert "--prefill-ar-len 512 needs a longer context than this model allows (512: the model's max_position_embeddings)" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_block_length_that_cuts_the_methods_differently_is_refused():
+    """--cache-layout blocks with a given block length: 8190 slots cut the decode call's 32767 into five blocks (the
+    last of 7 slots) and the prefill call's 32640 into four; the graphs would differ, so the preflight refuses it."""
+    from optimum_qnn.exporter.preflight import check_cache_layout
+
+    cfg, _ = _e2b()
+    shapes = ShapeConfig(32768, 128, cache_layout=CacheLayout.BLOCKS, cache_block_len=8190)
+    config = dataclasses.replace(_config(32768, QuantScheme.A16W4_BLOCK), shapes=shapes)
+    with pytest.raises(InvalidInputError, match=r"--cache-layout blocks: block_len 8190 cuts .* \(kv_forward: 5, prefill_forward: 4\)"):
+        check_cache_layout(cfg, config)
+    chosen = check_cache_layout(cfg, dataclasses.replace(config, shapes=dataclasses.replace(shapes, cache_block_len=None)))
+    assert chosen.shapes.cache_block_len == 8192

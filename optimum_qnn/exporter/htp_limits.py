@@ -85,12 +85,13 @@ class CacheTensor:
     columns: int
     bytes: int
     rows: int = 0  # a mask's: the call's tokens
+    block: bool = False  # one block of a cache (the blocks layout)
 
     def describe(self) -> str:
         if self.layer is None:
             return f"the {self.rows}-token call's attention mask ({self.rows} x {self.columns} columns, {self.bytes} bytes)"
         kind = "sliding" if self.layer.attention is AttentionKind.SLIDING else "full-attention"
-        block = " block" if self.rows < 0 else ""
+        block = " block" if self.block else ""
         return (f"layer {self.layer.index}'s K cache{block} ({kind}: {self.layer.kv_heads} KV head(s) x head_dim "
                 f"{self.layer.head_dim} x {self.columns} columns, {self.bytes} bytes)")
 
@@ -120,7 +121,7 @@ def largest_cache_tensor(layers: tuple[LayerSpec, ...], context_len: int, ar_len
     blocks = layout is CacheLayout.BLOCKS
     candidates = [
         CacheTensor(l, cols, l.kv_heads * l.head_dim * cols * element_bytes,
-                    -1 if blocks and not _ring(l, window, layout, context_len) else 0)
+                    block=blocks and not _ring(l, window, layout, context_len))
         for l in layers if l.owns_cache for ar in ar_lens
         for cols in (cache_columns(l, context_len, ar, window, layout, block_len),)
     ]

@@ -148,7 +148,7 @@ def check_cache_layout(text_config, config: ExportConfig) -> ExportConfig:
     where the full layout cannot compile), a ring that cannot help, blocks that differ between methods, and a cache
     tensor larger than a target SoC's VTCM (`htp_limits.choose_layout`: QNN would refuse it after the whole load,
     calibration and compile). Returns the config with its layout and block length resolved."""
-    from optimum_qnn.contract import check_ring, check_same_blocks
+    from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, check_ring, check_same_blocks
     from optimum_qnn.exporter.htp_limits import call_lengths, choose_layout
 
     layers, window = _cache_layers(text_config)
@@ -156,7 +156,8 @@ def check_cache_layout(text_config, config: ExportConfig) -> ExportConfig:
     shapes = config.shapes
     try:
         check_ring(shapes.cache_layout, layers, shapes.max_seq_len, window)
-        check_same_blocks(shapes.max_seq_len, dict(enumerate(call_lengths(config))), shapes.cache_block_len)
+        calls = dict(zip((DECODE_METHOD, PREFILL_METHOD), call_lengths(config)))  # call_lengths: decode first
+        check_same_blocks(shapes.max_seq_len, calls, shapes.cache_block_len)
     except ValueError as e:
         raise InvalidInputError(f"--cache-layout {shapes.cache_layout.value}: {e}") from None
     return config
