@@ -20,7 +20,9 @@ The columns are ``C`` for a full-length cache (its ``C - ar`` slots plus the cal
 What QNN tiles is the cache as one tensor, not attention's work: cut into inputs of at most 8 MiB that attention
 never joins (the blocks layout, `CacheLayout.BLOCKS`, `ops.attention.blocked_gqa`: each block's scores on their own,
 the scores joined, one softmax, each block's probabilities times its values), head_dim 512 at 16384 columns (two
-blocks of 8192, 8 MiB each) compiled where the one 16 MiB input was refused (16a8w, kv, SM8650: exit 0 in 618 s).
+blocks of 8192, 8 MiB each) compiled where the one 16 MiB input was refused (16a8w, kv, SM8650: exit 0 in 618 s). E2B's
+head dims at 32768 (ring of 512 at head_dim 256, head_dim 512 in four blocks of 8192; 8 query heads, prefill 128 and
+decode, 16a8w, SM8650) compiled: exit 0 in 2162 s.
 In the blocks layout the largest inputs are a block, a ring, or a mask (``ar x C``, counted under the same limit
 here: not measured above 8 MiB). Without ``--cache-layout`` the exporter keeps the full layout where it compiles and takes the blocks layout
 where it does not (`choose_layout`).
