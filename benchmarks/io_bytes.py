@@ -26,6 +26,10 @@ from optimum_qnn.models.gemma4.modules import gemma4_layer_specs  # noqa: E402
 _BYTES = {"float32": 4, "int64": 8, "int32": 4, "uint16": 2, "uint8": 1}
 
 
+# The blocks layout's block at E2B's widths: 8 MiB of uint16 at head_dim 512 (`htp_limits.block_len_for` at 32768).
+E2B_BLOCK_LEN = 8192
+
+
 def contracts(context: int, prefill: int, layout: CacheLayout = CacheLayout.FULL) -> tuple[RunnerContract, RunnerContract]:
     from e2b_width import e2b_config
 
@@ -34,6 +38,7 @@ def contracts(context: int, prefill: int, layout: CacheLayout = CacheLayout.FULL
     float_io = RunnerContract.build(
         layers, vocab_size=cfg.vocab_size, context_len=context, ar_lens={PREFILL_METHOD: prefill, DECODE_METHOD: 1},
         sliding_window=cfg.sliding_window, cache_layout=layout,
+        block_len=E2B_BLOCK_LEN if layout is CacheLayout.BLOCKS else None,
     )
     names = {t.name for m in float_io.methods for t in (*m.inputs, *m.outputs)} - {"tokens", "input_pos"}
     return float_io, float_io.with_quantized_io({name: (1.0, 0, "uint16") for name in names})

@@ -26,20 +26,21 @@ sys.path.insert(0, str(HERE.parent))
 _TCM = re.compile(r"Operator named (\S+).*?not sufficiently tiled to fit in TCM\. Requires (\d+) bytes")
 
 
-def checkpoint(folder: Path, kind: str, max_pos: int, kv_heads: int = 1) -> Path:
+def checkpoint(folder: Path, kind: str, max_pos: int, kv_heads: int = 1, heads: int = 2) -> Path:
     """Two decoder layers, sliding then full (transformers forces the last layer to full attention), at E2B's KV
     heads (1) and window 512. The probed kind has E2B's head_dim (sliding 256, full 512); the other kind has 32, so
-    its cache is 8 (or 16) times smaller and never the one QNN refuses. ``both``: E2B's two head dims at once."""
+    its cache is 8 (or 16) times smaller and never the one QNN refuses. ``both``: E2B's two head dims at once.
+    ``heads``: query heads (E2B has 8: a prefill call's scores are then ``8 x ar`` rows per KV head, as at full size)."""
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    path = folder / (f"{kind}_{max_pos}" + (f"_kv{kv_heads}" if kv_heads != 1 else ""))
+    path = folder / (f"{kind}_{max_pos}" + (f"_kv{kv_heads}" if kv_heads != 1 else "") + (f"_h{heads}" if heads != 2 else ""))
     if (path / "config.json").is_file():
         return path
     head_dim, global_head_dim = {"sliding": (256, 32), "full": (32, 512), "both": (256, 512)}[kind]
     cfg = Gemma4TextConfig(
         vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=head_dim, global_head_dim=global_head_dim,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, global_head_dim=global_head_dim,
         num_global_key_value_heads=kv_heads, attention_k_eq_v=False, layer_types=["sliding_attention", "full_attention"], sliding_window=512, num_kv_shared_layers=0,
         hidden_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=max_pos,
         pad_token_id=0, bos_token_id=2, eos_token_id=1,
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--soc", nargs="+", default=["SM8650"])
     p.add_argument("--mode", default="kv")
     p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--heads", type=int, default=2, help="query heads (E2B: 8)")
     p.add_argument("--work", type=Path, default=Path("/tmp/tcm"))
     p.add_argument("--results", type=Path, default=HERE / "tcm_probe.json")
     p.add_argument("extra", nargs="*", help="more export arguments (after --)")
@@ -79,12 +81,12 @@ def main() -> None:
     rows = json.loads(args.results.read_text()) if args.results.is_file() else []
     for kind in args.kinds:
         for context in args.contexts:
-            model = checkpoint(args.work, kind, max(context, 8192), args.kv_heads)
+            model = checkpoint(args.work, kind, max(context, 8192), args.kv_heads, args.heads)
             for quant in args.quant:
                 for soc in args.soc:
-                    out = args.work / f"out_{kind}_{context}_{quant}_{soc}_{args.mode}_kv{args.kv_heads}"
+                    out = args.work / f"out_{kind}_{context}_{quant}_{soc}_{args.mode}_kv{args.kv_heads}_h{args.heads}"
                     row = {"kind": kind, "head_dim": {"sliding": 256, "full": 512, "both": 512}[kind], "kv_heads": args.kv_heads,
-                           "context": context,
+                           **({"heads": args.heads} if args.heads != 2 else {}), "context": context,
                            "quant": quant, "soc": soc, "mode": args.mode, "extra": args.extra}
                     row.update(run_case(model, out, context, quant, soc, args.mode, args.extra))
                     print(json.dumps(row), flush=True)

@@ -169,8 +169,8 @@ def _add_variant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", "--context-len", dest="context_len", type=int, metavar="N",
                         help="the variant's context, as exported with --max-seq-len (default: of the artifact's "
                         "contexts, the largest whose estimated memory fits this host's available memory or --max-memory)")
-    parser.add_argument("--cache-layout", choices=("full", "ring"),
-                        help="the variant's cache layout when the artifact has both (default: ring on the host, fewer "
+    parser.add_argument("--cache-layout", choices=("full", "ring", "blocks"),
+                        help="the variant's cache layout when the artifact has several (default: ring on the host, fewer "
                         "bytes per call for the same output; full on a runner, which reads no other)")
     parser.add_argument("--max-memory", metavar="GB",
                         help="the memory the variant may take when its context is chosen (default: what this host has "

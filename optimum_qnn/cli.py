@@ -100,10 +100,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"context length C (default: {DEFAULT_CONTEXT}, or the model's max_position_embeddings or the "
                           "largest context the target's HTP compiles where that is less; why 4096: docs/exporting.md)")
     opt.add_argument("--prefill-ar-len", type=int, default=_DEFAULTS.shapes.prefill_ar_len, help="tokens per prefill call (default: %(default)s)")
-    opt.add_argument("--cache-layout", default=_DEFAULTS.shapes.cache_layout.value, choices=[c.value for c in CacheLayout],
+    opt.add_argument("--cache-layout", default=None, choices=[c.value for c in CacheLayout],
                      help="full: every KV cache holds C - ar slots (what ExecuTorch's C++ qnn_llama_runner reads); ring: "
                           "sliding-window layers keep only their window (a ring buffer), so each call moves fewer cache "
-                          "bytes; for optimum-qnn's own runtimes, refused by the C++ runner (default: %(default)s)")
+                          "bytes; blocks: the ring, and each other cache cut into column blocks that fit the HTP's TCM "
+                          "(contexts the full layout cannot compile). ring and blocks are for optimum-qnn's own runtimes, "
+                          "refused by the C++ runner (default: full, or blocks where the target's HTP cannot compile "
+                          "the context in full; the export says so)")
     opt.add_argument("--no-weight-sharing", action="store_true",
                      help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
     opt.add_argument("--check-weight-sharing", action="store_true",
@@ -177,7 +180,7 @@ def config_from_args(args: argparse.Namespace, scheme: str | None = None) -> Exp
         socs=tuple(dict.fromkeys(Soc.parse(s) for s in args.soc)),
         mode=ExportMode.parse(args.mode),
         shapes=ShapeConfig(max_seq_len=args.max_seq_len, prefill_ar_len=args.prefill_ar_len,
-                           cache_layout=CacheLayout.parse(args.cache_layout)),
+                           cache_layout=None if args.cache_layout is None else CacheLayout.parse(args.cache_layout)),
         embedding_quant=None if args.embedding_quant is None else EmbeddingQuant.parse(args.embedding_quant),
         weight_sharing=not args.no_weight_sharing,
         float_io=args.float_io,

@@ -270,13 +270,19 @@ class ShapeConfig:
             exporter choose once it has read the model's config: `DEFAULT_CONTEXT`, or less where the model's
             ``max_position_embeddings`` or the target's HTP (`exporter.htp_limits`) allows less.
         prefill_ar_len: tokens per prefill call (hybrid mode); decode always takes 1.
-        cache_layout: ``full`` (every cache ``C - ar`` slots: what ExecuTorch's C++ runner reads) or ``ring``
-            (sliding layers keep ``sliding_window`` slots; for this project's own runtimes).
+        cache_layout: ``full`` (every cache ``C - ar`` slots: what ExecuTorch's C++ runner reads), ``ring``
+            (sliding layers keep ``sliding_window`` slots; for this project's own runtimes) or ``blocks`` (the ring,
+            and every other cache cut into column blocks, each an input: the long contexts QNN cannot compile in one
+            piece; this project's runtimes only). None (the default): ``full``, or ``blocks`` where the target's HTP
+            cannot compile the context in ``full`` (`exporter.htp_limits.choose_layout`).
+        cache_block_len: slots per cache block of the ``blocks`` layout; None (the default): the most whose block
+            fits every target SoC's TCM (`exporter.htp_limits.block_len_for`).
     """
 
     max_seq_len: int | None = None
     prefill_ar_len: int = 128
-    cache_layout: CacheLayout = CacheLayout.FULL
+    cache_layout: CacheLayout | None = None
+    cache_block_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_seq_len is None:  # chosen by the exporter (`DEFAULT_CONTEXT`); the rest is checked then
@@ -294,10 +300,16 @@ class ShapeConfig:
             raise InvalidInputError(
                 f"max_seq_len must be at least 2 (a cache of max_seq_len - 1 tokens plus the current one); got {self.max_seq_len}"
             )
-        if not isinstance(self.cache_layout, CacheLayout):
+        if self.cache_layout is not None and not isinstance(self.cache_layout, CacheLayout):
             raise InvalidInputError(
-                f"cache_layout must be a CacheLayout (CacheLayout.parse('ring')); got {self.cache_layout!r}"
+                f"cache_layout must be a CacheLayout (CacheLayout.parse('ring')) or None; got {self.cache_layout!r}"
             )
+        if self.cache_block_len is not None and (
+                isinstance(self.cache_block_len, bool) or not isinstance(self.cache_block_len, int) or self.cache_block_len < 1):
+            raise InvalidInputError(f"cache_block_len must be a positive integer of slots, or None; got {self.cache_block_len!r}")
+        if self.cache_block_len is not None and self.cache_layout not in (None, CacheLayout.BLOCKS):
+            raise InvalidInputError(
+                f"cache_block_len {self.cache_block_len} cuts caches in the blocks layout only; this one is {self.cache_layout.value}")
 
 
 @dataclass(frozen=True)
@@ -423,8 +435,9 @@ class ExportConfig:
                 f"--prefill-ar-len {ar} equals the lookahead decode call's {ar} tokens; the two graphs must differ in "
                 "length (the prefill graph applies the sliding window by index, the tree's mask by position): choose another --prefill-ar-len"
             )
-        if shapes.cache_layout is not CacheLayout.FULL:
-            raise InvalidInputError("--mode lookahead keeps the full cache layout (its tree's mask has no ring form); drop --cache-layout ring")
+        if shapes.cache_layout not in (None, CacheLayout.FULL):
+            raise InvalidInputError(
+                f"--mode lookahead keeps the full cache layout (its tree's mask has no ring form); drop --cache-layout {shapes.cache_layout.value}")
 
     def check_shards(self, num_layers: int) -> None:
         """A given --shards must leave each shard a decoder layer at least. Where the shards begin is chosen from

@@ -39,10 +39,15 @@ class CacheLayout(enum.Enum):
     ``qnn_llama_runner`` reads exactly this). ``ring``: a sliding layer has ``sliding_window`` slots, position p in
     slot ``p % sliding_window``; it never reads further back than its window, so the rest of a full-length cache
     only crossed the host on every call. Full-attention layers keep ``C - ar`` slots in both layouts.
+    ``blocks``: sliding layers keep the ring (where their window is shorter than the context), and every other cache
+    is split into column blocks of at most ``block_len`` slots, each block an input of its own
+    (``k_cache_{i}_block{b}`` / ``v_cache_{i}_block{b}``): QNN's HTP compiler takes a uint16 graph input in one piece
+    of TCM, so no block may exceed it (`exporter.htp_limits`), and a long context then compiles.
     """
 
     FULL = "full"
     RING = "ring"
+    BLOCKS = "blocks"
 
     @classmethod
     def parse(cls, value: object) -> "CacheLayout":
@@ -116,6 +121,21 @@ class MethodSpec:
         return self.inputs[1].shape[-1] - self.ar_len
 
 
+def column_blocks(cache_len: int, block_len: int | None) -> list[tuple[int, int]]:
+    """The ``[start, end)`` slot ranges of a cache of ``cache_len`` slots cut into blocks of ``block_len`` (the last
+    one shorter; one block when ``block_len`` is None). A method with a longer call reads the first ``C - ar``
+    slots, so its last block is shorter, or its blocks fewer, than the decode method's."""
+    step = block_len or max(cache_len, 1)
+    return [(start, min(start + step, cache_len)) for start in range(0, cache_len, step)]
+
+
+def cache_input_names(kind: str, layer: LayerSpec, blocks: int | None) -> list[str]:
+    """The inputs holding ``layer``'s ``kind`` ("k" or "v") cache: one, or one per block in the blocks layout."""
+    if blocks is None:
+        return [f"{kind}_cache_{layer.index}"]
+    return [f"{kind}_cache_{layer.index}_block{b}" for b in range(blocks)]
+
+
 @dataclass(frozen=True)
 class RunnerContract:
     """Static IO of every method of one export, plus the facts a runner needs to drive it.
@@ -128,6 +148,9 @@ class RunnerContract:
 
     With ``cache_layout`` ring, a sliding layer's caches hold ``ring_len`` (= sliding_window) slots instead of
     ``C - ar``, and ``sliding_atten_mask`` is ``[1, 1, ar, ring_len + ar]`` (ring slots, then the call's own tokens).
+    With ``blocks``, the sliding layers keep that ring where it is shorter than the context, and each other cache is
+    several inputs, ``k_cache_{i}_block{b}`` ``[1, kv_heads, head_dim, <= block_len]`` then the next block's (and
+    likewise for V): slots ``[b * block_len, (b + 1) * block_len)`` of the same ``C - ar`` (`column_blocks`).
     """
 
     context_len: int
@@ -139,6 +162,7 @@ class RunnerContract:
     mask_masked: float = MASK_MIN
     extra: dict[str, Any] = field(default_factory=dict)
     cache_layout: CacheLayout = CacheLayout.FULL
+    block_len: int | None = None  # slots per cache block in the blocks layout
 
     @classmethod
     def build(
@@ -151,23 +175,42 @@ class RunnerContract:
         sliding_window: int | None,
         cache_layout: CacheLayout = CacheLayout.FULL,
         hidden_size: int | None = None,
+        block_len: int | None = None,
     ) -> "RunnerContract":
         """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call;
-        ``hidden_size``: every method also outputs ``hidden`` [1, ar, hidden_size], last (variants with an assistant)."""
+        ``hidden_size``: every method also outputs ``hidden`` [1, ar, hidden_size], last (variants with an assistant);
+        ``block_len``: slots per cache block, for (and only for) the blocks layout."""
         ring = check_ring(cache_layout, layers, context_len, sliding_window)
+        check_block_len(cache_layout, block_len)
         methods = tuple(
-            _method_spec(name, ar, layers, vocab_size, context_len, ring, hidden_size) for name, ar in ar_lens.items()
+            _method_spec(name, ar, layers, vocab_size, context_len, ring, hidden_size, block_len)
+            for name, ar in ar_lens.items()
         )
-        return cls(context_len, vocab_size, sliding_window, layers, methods, cache_layout=cache_layout)
+        check_same_blocks(context_len, ar_lens, block_len)
+        return cls(context_len, vocab_size, sliding_window, layers, methods, cache_layout=cache_layout,
+                   block_len=block_len)
 
     @property
     def ring_len(self) -> int | None:
-        """Slots of a sliding layer's ring cache (the window), or None in the full layout."""
-        return self.sliding_window if self.cache_layout is CacheLayout.RING else None
+        """Slots of a sliding layer's ring cache (the window), or None when no layer keeps a ring."""
+        return ring_length(self.cache_layout, self.layers, self.context_len, self.sliding_window)
+
+    def is_blocked(self, layer: LayerSpec) -> bool:
+        """Whether ``layer``'s caches are split into column blocks (the blocks layout, a cache that is no ring)."""
+        return self.cache_layout is CacheLayout.BLOCKS and not self.is_ring(layer)
+
+    def is_ring(self, layer: LayerSpec) -> bool:
+        return self.ring_len is not None and layer.attention is AttentionKind.SLIDING
+
+    def cache_input_names(self, kind: str, layer: LayerSpec, method: str = DECODE_METHOD) -> list[str]:
+        """The inputs of ``method`` that hold ``layer``'s ``kind`` ("k" or "v") cache, in order."""
+        if not self.is_blocked(layer):
+            return cache_input_names(kind, layer, None)
+        return cache_input_names(kind, layer, len(column_blocks(self.method(method).cache_len, self.block_len)))
 
     def cache_slots(self, layer: LayerSpec, method: str = DECODE_METHOD) -> int:
         """Slots of ``layer``'s caches in ``method``: the ring's for a sliding layer of a ring layout, else C - ar."""
-        if self.ring_len is not None and layer.attention is AttentionKind.SLIDING:
+        if self.is_ring(layer):
             return self.ring_len
         return self.method(method).cache_len
 
@@ -257,6 +300,7 @@ class RunnerContract:
             d.get("mask_attend", 0.0), d.get("mask_masked", MASK_MIN), dict(d.get("extra", {})),
             # Manifests written before the ring layout existed hold full-length caches.
             CacheLayout(d.get("cache_layout", CacheLayout.FULL.value)),
+            d.get("block_len"),
         )
 
 
@@ -274,6 +318,8 @@ def check_ring(layout: CacheLayout, layers: tuple[LayerSpec, ...], context_len: 
         raise ValueError(f"cache_layout must be a CacheLayout; got {layout!r}")
     if layout is CacheLayout.FULL:
         return None
+    if layout is CacheLayout.BLOCKS:  # the ring where it helps; every other cache is blocks
+        return ring_length(layout, layers, context_len, window)
     if window is None or not any(l.attention is AttentionKind.SLIDING and l.owns_cache for l in layers):
         raise ValueError("The ring cache layout keeps sliding-window layers' caches at the window; this model has none")
     if window >= context_len - 1:
@@ -284,8 +330,52 @@ def check_ring(layout: CacheLayout, layers: tuple[LayerSpec, ...], context_len: 
     return window
 
 
+def ring_length(layout: CacheLayout, layers: tuple[LayerSpec, ...], context_len: int, window: int | None) -> int | None:
+    """The ring's slots in ``layout`` (the window), or None when no sliding layer keeps a ring: the full layout, or a
+    blocks layout whose model has no sliding cache or a window not shorter than a full-length cache."""
+    if layout is CacheLayout.RING:
+        return window
+    if layout is CacheLayout.BLOCKS and window is not None and window < context_len - 1 and any(
+            l.attention is AttentionKind.SLIDING and l.owns_cache for l in layers):
+        return window
+    return None
+
+
+def check_block_len(layout: CacheLayout, block_len: int | None) -> None:
+    """A block length goes with the blocks layout, and only with it.
+
+    Raises:
+        ValueError: a block length without the blocks layout, or the blocks layout without a positive one.
+    """
+    if layout is CacheLayout.BLOCKS:
+        if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 1:
+            raise ValueError(f"The blocks cache layout needs block_len, a positive integer of slots; got {block_len!r}")
+    elif block_len is not None:
+        raise ValueError(f"block_len {block_len} splits caches in the blocks layout only; this one is {layout.value}")
+
+
+def check_same_blocks(context_len: int, ar_lens: dict[str, int], block_len: int | None) -> None:
+    """Every method must read its caches in the same number of blocks: the graphs then have one topology, which one
+    set of quantization parameters for all of them needs (`quantization.shared`), and block b is the same host
+    buffer in every method. The last block of the ``C - 1`` slots must hold at least the longest call's tokens.
+
+    Raises:
+        ValueError: naming the methods whose block counts differ.
+    """
+    if block_len is None:
+        return
+    counts = {name: len(column_blocks(context_len - ar, block_len)) for name, ar in ar_lens.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"block_len {block_len} cuts the caches of the methods into different numbers of blocks at context "
+            f"{context_len} ({', '.join(f'{n}: {c}' for n, c in counts.items())}); the last block of the "
+            f"{context_len - 1} slots must hold at least {max(ar_lens.values())} (`exporter.htp_limits.block_len_for` "
+            "chooses such a length)"
+        )
+
+
 def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int,
-                 ring: int | None = None, hidden_size: int | None = None) -> MethodSpec:
+                 ring: int | None = None, hidden_size: int | None = None, block_len: int | None = None) -> MethodSpec:
     if not 0 < ar < context_len:
         raise ValueError(f"ar_len {ar} of method {name} must be in [1, {context_len - 1}]")
     owners = [layer for layer in layers if layer.owns_cache]
@@ -300,8 +390,22 @@ def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, 
         TensorSpec("sliding_atten_mask", (1, 1, ar, sliding_cols), "float32"),
         TensorSpec("input_pos", (1, ar), "int32"),
     ]
-    inputs += [TensorSpec(f"k_cache_{l.index}", (1, l.kv_heads, l.head_dim, slots(l)), "float32") for l in owners]
-    inputs += [TensorSpec(f"v_cache_{l.index}", (1, l.kv_heads, slots(l), l.head_dim), "float32") for l in owners]
+    def blocked(layer: LayerSpec) -> bool:  # the blocks layout cuts every cache that is no ring
+        return block_len is not None and not (ring is not None and layer.attention is AttentionKind.SLIDING)
+
+    def pieces(layer: LayerSpec) -> list[int]:
+        """Slots of each input holding the layer's cache: one, or the blocks of a cache that is no ring."""
+        if not blocked(layer):
+            return [slots(layer)]
+        return [end - start for start, end in column_blocks(slots(layer), block_len)]
+
+    def names(kind: str, layer: LayerSpec) -> list[str]:
+        return cache_input_names(kind, layer, len(pieces(layer)) if blocked(layer) else None)
+
+    inputs += [TensorSpec(name, (1, l.kv_heads, l.head_dim, n), "float32")
+               for l in owners for name, n in zip(names("k", l), pieces(l))]
+    inputs += [TensorSpec(name, (1, l.kv_heads, n, l.head_dim), "float32")
+               for l in owners for name, n in zip(names("v", l), pieces(l))]
     outputs = [TensorSpec("logits", (1, ar, vocab), "float32")]
     outputs += [TensorSpec(f"k_new_{l.index}", (1, l.kv_heads, l.head_dim, ar), "float32") for l in owners]
     outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]
@@ -320,6 +424,9 @@ def draft_method(contract: RunnerContract, sources: dict[AttentionKind, LayerSpe
     host hands the drafter the very buffers the target reads. Outputs: ``logits`` [1, 1, vocab]; ``hidden_out``
     [1, 1, hidden_size].
     """
+    if contract.cache_layout is CacheLayout.BLOCKS:
+        raise ValueError("A drafter reads its target's caches as one tensor each; the blocks cache layout cuts them "
+                         "into several inputs: export the target with --cache-layout full or ring")
     decode = {t.name: t for t in contract.method(DECODE_METHOD).inputs}
     layers = [sources[AttentionKind.FULL], sources[AttentionKind.SLIDING]]
     k = [decode[f"k_cache_{layer.index}"] for layer in layers]

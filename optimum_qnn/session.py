@@ -9,6 +9,10 @@ In the ring cache layout (`CacheLayout.RING`) a sliding layer's buffers hold ``s
 host writes position p into slot ``p % window`` and builds the sliding mask over the ring's columns
 (``ops.mask.ring_mask``); full-attention layers keep the full-length buffers above.
 
+In the blocks layout (`CacheLayout.BLOCKS`) each cache that is no ring is a list of block buffers, block b holding
+slots ``[b * block_len, (b + 1) * block_len)`` of the ``C - 1``; a method reads each block's slots below its own
+``C - ar`` (`contract.column_blocks`), and a call's new K/V are written across the blocks they fall in.
+
 The other inputs (tokens, positions, the two masks) are preallocated per method too. A decode step that follows
 another decode step updates its masks in place (one column opens, and with a sliding window one closes); any other
 call rewrites them from ``ops.mask.attention_mask``.
@@ -24,7 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from optimum_qnn.contract import DECODE_METHOD, HIDDEN_OUTPUT, PREFILL_METHOD, AttentionKind, RunnerContract
+from optimum_qnn.contract import (DECODE_METHOD, HIDDEN_OUTPUT, PREFILL_METHOD, AttentionKind, RunnerContract,
+                                  column_blocks)
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError
 from optimum_qnn.ops.arrays import as_numpy, is_torch, like
 from optimum_qnn.ops.mask import MASK_MIN, attention_mask, ring_mask, tree_mask
@@ -66,11 +71,21 @@ class KVSession:
         # copies them unchanged and never dequantizes a cache.
         # Which caches are rings (sliding layers of a ring layout): the same buffer in every method, written at p % R.
         self.ring_len = contract.ring_len
-        self.is_ring = [self.ring_len is not None and l.attention is AttentionKind.SLIDING for l in self.cache_layers]
+        self.is_ring = [contract.is_ring(l) for l in self.cache_layers]
         # C - 1 slots, whatever the decode method's ar_len (a lookahead export's is above 1); a ring keeps its own.
-        slots = [None if ring else contract.context_len - 1 for ring in self.is_ring]
-        self.k_bufs = [_zeros(dec_inputs[f"k_cache_{l.index}"], -1, n) for l, n in zip(self.cache_layers, slots)]
-        self.v_bufs = [_zeros(dec_inputs[f"v_cache_{l.index}"], -2, n) for l, n in zip(self.cache_layers, slots)]
+        # A blocked cache is a list of its blocks' buffers (the blocks of C - 1 slots).
+        self.blocks = column_blocks(contract.context_len - 1, contract.block_len)
+        self.k_bufs: list = []
+        self.v_bufs: list = []
+        for layer, ring in zip(self.cache_layers, self.is_ring):
+            k_spec, v_spec = (dec_inputs[contract.cache_input_names(kind, layer)[0]] for kind in "kv")
+            if contract.is_blocked(layer):
+                self.k_bufs.append([_zeros(k_spec, -1, e - s) for s, e in self.blocks])
+                self.v_bufs.append([_zeros(v_spec, -2, e - s) for s, e in self.blocks])
+            else:
+                slots = None if ring else contract.context_len - 1
+                self.k_bufs.append(_zeros(k_spec, -1, slots))
+                self.v_bufs.append(_zeros(v_spec, -2, slots))
         # The ids whose K/V were written, slot j holding position j: what `truncate` reads again when a ring has
         # overwritten the window the kept tokens need.
         self.ids = np.zeros(contract.context_len, dtype=np.int64)
@@ -169,9 +184,21 @@ class KVSession:
                 self.k_bufs[i][..., ring_slots] = k_new[..., first:keep]
                 self.v_bufs[i][:, :, ring_slots, :] = v_new[:, :, first:keep, :]
                 continue
+            if isinstance(self.k_bufs[i], list):
+                self._store_blocks(i, k_new[..., picked], v_new[:, :, picked, :], lo)
+                continue
             self.k_bufs[i][..., lo : lo + keep] = k_new[..., picked]
             self.v_bufs[i][:, :, lo : lo + keep, :] = v_new[:, :, picked, :]
         self.n_past = hi
+
+    def _store_blocks(self, i: int, k_new: np.ndarray, v_new: np.ndarray, lo: int) -> None:
+        """Write the new columns of cache ``i`` (slots from ``lo`` on) into the blocks they fall in."""
+        hi = lo + k_new.shape[-1]
+        for (start, end), k_buf, v_buf in zip(self.blocks, self.k_bufs[i], self.v_bufs[i]):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                k_buf[..., a - start : b - start] = k_new[..., a - lo : b - lo]
+                v_buf[:, :, a - start : b - start, :] = v_new[:, :, a - lo : b - lo, :]
 
     def tree_call(self, tokens: np.ndarray, parents: Sequence[int], offsets: Sequence[int]) -> np.ndarray:
         """One decode call on a tree of tokens (lookahead decoding): row i at position ``n_past + offsets[i]``,
@@ -221,8 +248,13 @@ class KVSession:
     def _inputs(self, spec, buffers: "_MethodInputs") -> list[np.ndarray]:
         cache_len = spec.cache_len
         inputs: list[np.ndarray] = [buffers.tokens, buffers.mask, buffers.sliding_mask, buffers.pos]
-        inputs += [k if ring else k[..., :cache_len] for k, ring in zip(self.k_bufs, self.is_ring)]
-        inputs += [v if ring else v[:, :, :cache_len, :] for v, ring in zip(self.v_bufs, self.is_ring)]
+        blocks = column_blocks(cache_len, self.contract.block_len)  # this method's: the first C - ar slots
+        for bufs, axis in ((self.k_bufs, -1), (self.v_bufs, -2)):
+            for buf, ring in zip(bufs, self.is_ring):
+                if isinstance(buf, list):
+                    inputs += [_first(b, axis, e - s) for b, (s, e) in zip(buf, blocks)]
+                else:
+                    inputs.append(buf if ring else _first(buf, axis, cache_len))
         return inputs
 
     def _check(self, ids: Any, capacity: int | None = None) -> np.ndarray:
@@ -275,6 +307,13 @@ def _joined(given: Any, logits: list[Any]) -> Any:
         joined = torch.cat(logits, dim=0)
         return joined if is_torch(given) else as_numpy(joined)
     return like(given, np.concatenate(logits, axis=0))
+
+
+def _first(buf: np.ndarray, slot_axis: int, n: int) -> np.ndarray:
+    """The first ``n`` slots of a cache buffer on ``slot_axis`` (the buffer itself when it has ``n``)."""
+    if buf.shape[slot_axis] == n:
+        return buf
+    return buf[..., :n] if slot_axis == -1 else buf[:, :, :n, :]
 
 
 def _zeros(spec, slot_axis: int, slots: int | None) -> np.ndarray:

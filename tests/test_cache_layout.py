@@ -72,6 +72,20 @@ def test_cpp_runner_refuses_a_ring_variant_by_name(tmp_path: Path) -> None:
         RunnerBackend(tmp_path, tmp_path / "fp16-ctx64-ring", manifest, device="runner")
 
 
+@pytest.mark.parametrize("device", ["runner", "adb"])
+def test_runner_backends_refuse_a_blocks_variant_by_name(tmp_path: Path, device: str) -> None:
+    from optimum_qnn.runtime.backends.runner import RunnerBackend
+
+    cfg = tiny_config()
+    blocks = RunnerContract.build(gemma4_layer_specs(cfg), vocab_size=cfg.vocab_size, context_len=64,
+                                  ar_lens={PREFILL_METHOD: 16, DECODE_METHOD: 1}, sliding_window=cfg.sliding_window,
+                                  cache_layout=CacheLayout.BLOCKS, block_len=32)
+    manifest = types.SimpleNamespace(runner_contract=lambda: blocks)
+    with pytest.raises(InvalidInputError, match=r"Variant fp16-ctx64-blocks has the 'blocks' cache layout \(each long "
+                                                r"cache is cut into inputs of 32 slots\).*qnn_llama_runner"):
+        RunnerBackend(tmp_path, tmp_path / "fp16-ctx64-blocks", manifest, device=device)
+
+
 # --- choosing between the layouts of one artifact folder (tests/conftest.py `layouts_export`) ----------------------
 
 
@@ -127,5 +141,5 @@ def test_from_pretrained_takes_the_ring_on_the_host_and_the_full_layout_on_a_run
     assert chosen == ["fp16-ctx128-kv"]
     with pytest.raises(InvalidInputError, match=r"Variant fp16-ctx128-ring-kv has the 'ring' cache layout"):
         QNNModelForCausalLM.from_pretrained(layouts_export, context_len=128, cache_layout="ring", device="runner")
-    with pytest.raises(InvalidInputError, match=r"cache_layout must be 'full' or 'ring'"):
+    with pytest.raises(InvalidInputError, match=r"cache_layout must be 'full', 'ring' or 'blocks'"):
         QNNModelForCausalLM.from_pretrained(layouts_export, cache_layout="rings")

@@ -12,7 +12,7 @@ import pytest
 
 from optimum_qnn.config import CacheLayout, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
 from optimum_qnn.errors import InvalidInputError
-from optimum_qnn.exporter.htp_limits import check_tcm, largest_cache_tensor, qnn_refusal_message
+from optimum_qnn.exporter.htp_limits import check_tcm, choose_layout, largest_cache_tensor, qnn_refusal_message
 from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
 from tests.conftest import run_main
 
@@ -53,11 +53,10 @@ def test_probe_cases_follow_the_rule():
         )
         mode = ExportMode.parse(row["mode"])
         config = ExportConfig(socs=(Soc.parse(row["soc"]),), quant=QuantScheme.parse(row["quant"]), mode=mode,
-                              shapes=ShapeConfig(row["context"], 128, cache_layout=CacheLayout.RING if "ring" in row["extra"]
-                                                 else CacheLayout.FULL),
+                              shapes=ShapeConfig(row["context"], 128, cache_layout=_probe_layout(row["extra"])),
                               weight_sharing=False, float_io="--float-io" in row["extra"])
         try:
-            check_tcm(gemma4_layer_specs(cfg), 512, config)
+            choose_layout(gemma4_layer_specs(cfg), 512, config)
             refused = False
         except InvalidInputError:
             refused = True
@@ -65,6 +64,10 @@ def test_probe_cases_follow_the_rule():
         assert row["exit"] == (2 if row["tcm_bytes"] else 0), row
         checked += 1
     assert checked >= 10
+
+
+def _probe_layout(extra: list[str]) -> CacheLayout:
+    return CacheLayout.parse(extra[extra.index("--cache-layout") + 1]) if "--cache-layout" in extra else CacheLayout.FULL
 
 
 def test_e2b_at_32k_is_refused_naming_the_tensor_vtcm_and_largest_context():
@@ -116,13 +119,55 @@ def test_export_refuses_before_loading(tmp_path, capsys):
     cfg.save_pretrained(tmp_path / "e2b")
     start = time.monotonic()
     code, out, err = run_main(["export", "-m", tmp_path / "e2b", "-o", tmp_path / "out", "--max-seq-len", "32768",
-                               "--quant", "16a4w_block"], capsys)
+                               "--quant", "16a4w_block", "--cache-layout", "full"], capsys)
     assert code != 0 and time.monotonic() - start < 60
     assert "--max-seq-len 32768 cannot compile for SM8650" in err and "8192 is the largest context" in err, err[-2000:]
     assert not (tmp_path / "out").exists()
     code, out, err = run_main(["export", "-m", tmp_path / "e2b", "-o", tmp_path / "out2", "--max-seq-len", "513",
                                "--cache-layout", "ring", "--quant", "fp16"], capsys)
     assert code != 0 and "not fewer than the 512 of a full-length cache" in err, err[-2000:]
+
+
+def test_default_flags_at_32k_take_the_blocks_layout_for_e2b(caplog):
+    """E2B at 32768 without --cache-layout: the full layout cannot compile (32 MiB caches), so the preflight takes the
+    blocks layout, blocks of 8192 slots (8 MiB at head_dim 512, uint16), and says so in one line; the largest input is
+    then a block or the prefill call's mask (128 x 32768 x 2 bytes = 8 MiB), both at the limit. --cache-layout full
+    keeps the refusal. 65536 compiles in no layout: the mask alone is 16 MiB; the refusal names 32768."""
+    cfg, layers = _e2b()
+    auto = _config(32768, QuantScheme.A16W4_BLOCK, layout=None)
+    with caplog.at_level("INFO", logger="optimum_qnn.stages"):
+        chosen = choose_layout(layers, cfg.sliding_window, auto)
+    assert chosen.shapes.cache_layout is CacheLayout.BLOCKS and chosen.shapes.cache_block_len == 8192
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Cache layout"))
+    assert "blocks (caches cut into inputs of 8192 slots)" in line and "cannot compile in the full layout for SM8650" in line
+    assert "ExecuTorch's C++ runner cannot run this variant (--cache-layout full forces its layout)" in line
+    tensor = largest_cache_tensor(layers, 32768, (1, 128), cfg.sliding_window, CacheLayout.BLOCKS, 2, 8192)
+    assert tensor.bytes == 8 * 2**20
+    assert choose_layout(layers, cfg.sliding_window, _config(8192, QuantScheme.A16W4_BLOCK, layout=None)).shapes == \
+        ShapeConfig(8192, 128, cache_layout=CacheLayout.FULL)  # the runner's layout wherever it compiles
+    with pytest.raises(InvalidInputError, match="--max-seq-len 8192 is the largest context that compiles for SM8650"):
+        choose_layout(layers, cfg.sliding_window, _config(32768, QuantScheme.A16W4_BLOCK))  # --cache-layout full
+    from optimum_qnn.config import Lookahead
+
+    lookahead = dataclasses.replace(auto, mode=ExportMode.LOOKAHEAD, lookahead=Lookahead(3, 2, 2))
+    with pytest.raises(InvalidInputError, match="--max-seq-len 8192 is the largest"):  # lookahead keeps the full layout
+        choose_layout(layers, cfg.sliding_window, lookahead)
+    with pytest.raises(InvalidInputError, match=r"65536 cannot compile .*attention mask \(128 x 65536 .*"
+                                                r"--max-seq-len 32768 is the largest context that compiles for SM8650"):
+        choose_layout(layers, cfg.sliding_window, _config(65536, QuantScheme.A16W4_BLOCK, layout=None))
+
+
+def test_export_with_default_flags_at_32k_says_it_takes_the_blocks_layout(tmp_path, capsys, caplog):
+    """The command users type on a folder holding only E2B's config.json: the layout line comes from the preflight,
+    then the missing weights stop it, in seconds."""
+    cfg, _ = _e2b()
+    cfg.save_pretrained(tmp_path / "e2b")
+    with caplog.at_level("INFO", logger="optimum_qnn.stages"):
+        code, out, err = run_main(["export", "-m", tmp_path / "e2b", "-o", tmp_path / "out", "--max-seq-len", "32768",
+                                   "--quant", "16a4w_block"], capsys)
+    assert "Cache layout: blocks (caches cut into inputs of 8192 slots)" in caplog.text, caplog.text[-2000:]
+    assert code != 0 and "No *.safetensors weights" in err and "cannot compile for" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_default_context_is_4096_unless_the_model_or_the_htp_allows_less(caplog):
@@ -166,3 +211,17 @@ def test_export_without_max_seq_len_says_its_context(random_model_dir, tmp_path,
     assert rc == 2
     assert "--prefill-ar-len 512 needs a longer context than this model allows (512: the model's max_position_embeddings)" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_block_length_that_cuts_the_methods_differently_is_refused():
+    """--cache-layout blocks with a given block length: 8190 slots cut the decode call's 32767 into five blocks (the
+    last of 7 slots) and the prefill call's 32640 into four; the graphs would differ, so the preflight refuses it."""
+    from optimum_qnn.exporter.preflight import check_cache_layout
+
+    cfg, _ = _e2b()
+    shapes = ShapeConfig(32768, 128, cache_layout=CacheLayout.BLOCKS, cache_block_len=8190)
+    config = dataclasses.replace(_config(32768, QuantScheme.A16W4_BLOCK), shapes=shapes)
+    with pytest.raises(InvalidInputError, match=r"--cache-layout blocks: block_len 8190 cuts .* \(kv_forward: 5, prefill_forward: 4\)"):
+        check_cache_layout(cfg, config)
+    chosen = check_cache_layout(cfg, dataclasses.replace(config, shapes=dataclasses.replace(shapes, cache_block_len=None)))
+    assert chosen.shapes.cache_block_len == 8192

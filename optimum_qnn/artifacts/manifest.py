@@ -26,7 +26,7 @@ from optimum_qnn.errors import OptimumQnnError
 # 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified). 1.2 added
 # `quantization.weight_rounding` (absent: "nearest"). 1.3 added `mixed_precision.sensitivity_probes` (absent: not
 # recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding). 1.5 added `contract.assistant` (absent:
-# no drafter).
+# no drafter) and `contract.block_len` (absent: no blocks layout).
 SCHEMA_VERSION = "1.5"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
@@ -178,10 +178,12 @@ class Contract:
     # QNN delegates per method (context binaries in the .pte); above 1 they hand over through `llama::fallback`.
     shards: int = 1
     # "full": every cache C - ar slots (ExecuTorch's C++ runner's layout); "ring": sliding layers keep
-    # sliding_window slots, position p in slot p % sliding_window (optimum_qnn.contract.CacheLayout).
+    # sliding_window slots, position p in slot p % sliding_window; "blocks": see block_len (optimum_qnn.contract.CacheLayout).
     cache_layout: str = "full"
     lookahead: LookaheadInfo | None = None  # set by `--mode lookahead` (since 1.4)
     assistant: AssistantInfo | None = None  # set by `--assistant` (since 1.5)
+    # "blocks" (since 1.5): slots per cache block; every cache that is no ring is inputs `{k,v}_cache_{i}_block{b}`.
+    block_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -462,6 +464,8 @@ def mixed_precision_section(plan) -> MixedPrecision | None:
 _FULL_UPDATE = "smart_mask: copy k_new/v_new into slots [n_past, n_past+n) of caches [.., C-1]; nothing shifts"
 _RING_UPDATE = (_FULL_UPDATE + "; sliding layers: a ring of sliding_window slots, k_new/v_new of position p into slot "
                 "p % sliding_window, sliding_atten_mask over the ring's slots then the call's own tokens")
+_BLOCKS_UPDATE = (_RING_UPDATE + " (where the window is shorter than C - 1); every other cache: inputs of "
+                  "block_len slots, block b holding slots [b * block_len, (b + 1) * block_len)")
 
 
 def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None) -> Contract:
@@ -474,7 +478,7 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         mask_attend=float(d["mask_attend"]),
         mask_masked=float(d["mask_masked"]),
         rope="tables inside the graph, indexed by input_pos; partial RoPE on full layers is zero-padded",
-        kv_update=_RING_UPDATE if d["cache_layout"] == "ring" else _FULL_UPDATE,
+        kv_update={"ring": _RING_UPDATE, "blocks": _BLOCKS_UPDATE}.get(d["cache_layout"], _FULL_UPDATE),
         weight_sharing=weight_sharing,
         layers=[Layer(**layer) for layer in d["layers"]],
         methods=[
@@ -488,4 +492,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         shards=shards,
         cache_layout=d["cache_layout"],
         lookahead=None if lookahead is None else LookaheadInfo(**lookahead.to_dict()),
+        block_len=d["block_len"],
     )

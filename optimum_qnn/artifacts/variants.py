@@ -22,7 +22,9 @@ class VariantNotFoundError(OptimumQnnError):
     """No exported variant matches the requested SoC / quant scheme / context / cache layout."""
 
 
-FULL_LAYOUT, RING_LAYOUT = "full", "ring"  # `optimum_qnn.contract.CacheLayout`'s values, as the index spells them
+# `optimum_qnn.contract.CacheLayout`'s values, as the index spells them
+FULL_LAYOUT, RING_LAYOUT, BLOCKS_LAYOUT = "full", "ring", "blocks"
+LAYOUTS = (FULL_LAYOUT, RING_LAYOUT, BLOCKS_LAYOUT)
 # The one-line notices of a command (shown without -v, as the exporter's stage lines are).
 notice = logging.getLogger("optimum_qnn.stages")
 
@@ -34,8 +36,8 @@ def entry_layout(entry: dict[str, Any]) -> str:
 
 
 def describe(entry: dict[str, Any]) -> str:
-    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` appended for the ring layout): how an error lists a variant."""
-    ring = "/ring" if entry_layout(entry) == RING_LAYOUT else ""
+    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` or ``/blocks`` appended for those layouts): how an error lists a variant."""
+    ring = "" if entry_layout(entry) == FULL_LAYOUT else f"/{entry_layout(entry)}"
     return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}"
 
 
@@ -56,8 +58,8 @@ def select_variant(
         VariantNotFoundError: nothing matches (a context that no variant has lists the contexts there are), or
             several do and the request does not say which.
     """
-    if cache_layout not in (None, FULL_LAYOUT, RING_LAYOUT):
-        raise VariantNotFoundError(f"Unknown cache layout {cache_layout!r}; expected one of: {FULL_LAYOUT}, {RING_LAYOUT}")
+    if cache_layout is not None and cache_layout not in LAYOUTS:
+        raise VariantNotFoundError(f"Unknown cache layout {cache_layout!r}; expected one of: {', '.join(LAYOUTS)}")
     want = {"soc": soc.upper() if soc else None, "quant": quant, "context_len": context_len}
     hits = [
         v for v in index["variants"]

@@ -73,12 +73,12 @@ class ArtifactError(OptimumQnnError):
 
 
 def variant_name(soc: Soc, config: ExportConfig) -> str:
-    """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` appended for the ring cache layout, then ``-kv`` for decode-only
+    """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` or ``-blocks`` appended for those cache layouts, then ``-kv`` for decode-only
     exports, ``-lhdNwWgG`` for lookahead ones): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
     mode = {ExportMode.HYBRID: "", ExportMode.KV: "-kv"}.get(config.mode, "")
     if config.lookahead is not None:  # its decode graph differs with N, W and G
         mode = f"-lhd{config.lookahead.ngram}w{config.lookahead.window}g{config.lookahead.gcap}"
-    layout = "-ring" if config.shapes.cache_layout.value == "ring" else ""
+    layout = {"ring": "-ring", "blocks": "-blocks"}.get(getattr(config.shapes.cache_layout, "value", "full"), "")
     return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{layout}{mode}"
 
 

@@ -286,7 +286,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         static = StaticCausalLM.from_hf(
             hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
             decode_ar_len=config.lookahead.ar_len if config.lookahead is not None else 1,
-            quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout,
+            quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout, block_len=shapes.cache_block_len,
         )
         result.swap_summary = static.report.table()
         check_overrides_match(static.module, config)

@@ -86,7 +86,7 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
             f"choose at most {max_pos}"
         )
     config.check_shards(text_config.num_hidden_layers)  # a bad --shards fails here
-    check_cache_layout(text_config, config)
+    config = check_cache_layout(text_config, config)
     if assistant is not None:
         check_assistant(assistant, model, text_config)
     widths = (text_config.hidden_size,)
@@ -143,18 +143,24 @@ def _cache_layers(text_config) -> tuple:
     return gemma4_layer_specs(text_config), window
 
 
-def check_cache_layout(text_config, config: ExportConfig) -> None:
-    """The caches this export makes, from the config alone: a ring that cannot help, and a cache tensor larger than a
-    target SoC's VTCM (`htp_limits.check_tcm`: QNN would refuse it after the whole load, calibration and compile)."""
-    from optimum_qnn.contract import check_ring
-    from optimum_qnn.exporter.htp_limits import check_tcm
+def check_cache_layout(text_config, config: ExportConfig) -> ExportConfig:
+    """The caches this export makes, from the config alone: the layout chosen where none was given (full, or blocks
+    where the full layout cannot compile), a ring that cannot help, blocks that differ between methods, and a cache
+    tensor larger than a target SoC's VTCM (`htp_limits.choose_layout`: QNN would refuse it after the whole load,
+    calibration and compile). Returns the config with its layout and block length resolved."""
+    from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, check_ring, check_same_blocks
+    from optimum_qnn.exporter.htp_limits import call_lengths, choose_layout
 
     layers, window = _cache_layers(text_config)
+    config = choose_layout(layers, window, config)
+    shapes = config.shapes
     try:
-        check_ring(config.shapes.cache_layout, layers, config.shapes.max_seq_len, window)
+        check_ring(shapes.cache_layout, layers, shapes.max_seq_len, window)
+        calls = dict(zip((DECODE_METHOD, PREFILL_METHOD), call_lengths(config)))  # call_lengths: decode first
+        check_same_blocks(shapes.max_seq_len, calls, shapes.cache_block_len)
     except ValueError as e:
-        raise InvalidInputError(f"--cache-layout {config.shapes.cache_layout.value}: {e}") from None
-    check_tcm(layers, window, config)
+        raise InvalidInputError(f"--cache-layout {shapes.cache_layout.value}: {e}") from None
+    return config
 
 
 def read_texts(config: ExportConfig, calibration: CalibrationSource, evaluate: Path | None) -> list[str] | None:

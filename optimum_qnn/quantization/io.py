@@ -4,7 +4,8 @@ A quantized graph computes on 16-bit activations anyway; with float IO the HTP d
 dequantizes every output on each call. With integer IO the host passes the masks and KV caches as uint16 and gets
 the logits and the new K/V back as uint16:
 - the new K/V outputs carry their cache's own encoding (the quantizer shares one observer between a cache and the
-  new slice concatenated to it), so the host copies them into the caches unchanged;
+  new slice concatenated to it), so the host copies them into the caches unchanged; the blocks of one cache
+  (`CacheLayout.BLOCKS`) share that encoding too;
 - the mask encoding maps 0 (attend) to 65535 and `MASK_MIN` (-255) to 0: ExecuTorch's runner's uint16 values;
 - logits are dequantized as ``(q - zero_point) * scale`` (the runner takes argmax on the raw values).
 
@@ -13,9 +14,13 @@ the logits and the new K/V back as uint16:
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from optimum_qnn.contract import MethodSpec, RunnerContract
+
+_BLOCK_SUFFIX = re.compile(r"_block\d+$")
 
 # Inputs that become integer IO: the two masks and every cache. Every output does.
 _FLOAT_INPUTS = ("tokens", "input_pos")
@@ -48,13 +53,19 @@ def tie_cache_observers(prepared: torch.fx.GraphModule, spec: MethodSpec) -> int
     if len(placeholders) != len(spec.inputs) or len(results) != len(spec.outputs):
         raise ValueError(f"{spec.name}: the prepared graph's IO does not line up with the contract")
     cache_observer = {}
+    retied = 0
     for t, node in zip(spec.inputs, placeholders):
         if t.name.startswith(("k_cache_", "v_cache_")):
-            found = [obs for user in node.users if (obs := observer_of(user))]
+            found = [user for user in node.users if observer_of(user)]
             if len(found) != 1:
                 raise ValueError(f"{spec.name}: expected one observer on {t.name}, found {len(found)}")
-            cache_observer[t.name.replace("_cache_", "_new_")] = found[0]
-    retied = 0
+            # The blocks of one cache (`CacheLayout.BLOCKS`) are one buffer to the host: their first block's observer.
+            new = _BLOCK_SUFFIX.sub("", t.name).replace("_cache_", "_new_")
+            if new not in cache_observer:
+                cache_observer[new] = found[0].target
+            elif found[0].target != cache_observer[new]:
+                found[0].target = cache_observer[new]
+                retied += 1
     for t, node in zip(spec.outputs, results):
         target = cache_observer.get(t.name)
         if target is None:

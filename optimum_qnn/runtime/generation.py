@@ -20,7 +20,7 @@ RUNNER_OPTIONS = frozenset({"runner", "qnn_sdk_root", "shared_buffer"})
 
 
 def check_selection(**values: Any) -> None:
-    """soc, quant and revision are strings, context_len an integer > 0, cache_layout 'full' or 'ring', max_memory
+    """soc, quant and revision are strings, context_len an integer > 0, cache_layout 'full', 'ring' or 'blocks', max_memory
     a positive number of GB (None: any); a wrong type would otherwise fail deep in the index lookup or the Hub
     client."""
     for name in ("soc", "quant", "revision"):
@@ -32,8 +32,8 @@ def check_selection(**values: Any) -> None:
     if context_len is not None and (isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1):
         raise InvalidInputError(f"context_len must be a positive integer such as 1024 (or None); got {context_len!r}")
     layout = values.get("cache_layout")
-    if layout is not None and layout not in ("full", "ring"):
-        raise InvalidInputError(f"cache_layout must be 'full' or 'ring' (or None); got {layout!r}")
+    if layout is not None and layout not in ("full", "ring", "blocks"):
+        raise InvalidInputError(f"cache_layout must be 'full', 'ring' or 'blocks' (or None); got {layout!r}")
     memory = values.get("max_memory")
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0
                                or memory == float("inf")):

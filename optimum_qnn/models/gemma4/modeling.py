@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, CacheLayout, RunnerContract, check_ring
+from optimum_qnn.contract import (
+    DECODE_METHOD, PREFILL_METHOD, CacheLayout, RunnerContract, check_block_len, check_ring,
+)
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.models.gemma4.modules import StaticGemma4ForCausalLM, StaticOptions, gemma4_layer_specs
 from optimum_qnn.session import KVSession, torch_method
@@ -40,6 +42,7 @@ class StaticCausalLM:
     def from_hf(
         cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False,
         cache_layout: CacheLayout = CacheLayout.FULL, hidden_output: bool = False, decode_ar_len: int = 1,
+        block_len: int | None = None,
     ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
@@ -55,6 +58,8 @@ class StaticCausalLM:
                 (after the norm), last: what a Gemma 4 assistant beside the target reads (docs/assistant.md).
             decode_ar_len: tokens per decode call: 1, or a lookahead export's AR (`optimum_qnn.lookahead`). Its graph
                 gets no window band: the host's tree mask applies the window by position.
+            block_len: with ``CacheLayout.BLOCKS``, the slots per cache block (the exporter chooses it from the
+                target's VTCM, `exporter.htp_limits.block_len_for`).
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -84,11 +89,12 @@ class StaticCausalLM:
         window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
         try:  # before the swap: a ring that cannot help is refused before any module is built
             ring = check_ring(cache_layout, gemma4_layer_specs(text_config), max_context_len, window)
+            check_block_len(cache_layout, block_len)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
         options = StaticOptions(max_context_len=max_context_len, quantized=quantized,
                                 ar_lens=tuple(ar for ar in ar_lens.values() if decode_ar_len == 1 or ar != decode_ar_len),
-                                ring_len=ring, hidden_output=hidden_output)
+                                ring_len=ring, hidden_output=hidden_output, block_len=block_len)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)
@@ -100,6 +106,7 @@ class StaticCausalLM:
             sliding_window=window,
             cache_layout=cache_layout,
             hidden_size=text_config.hidden_size if hidden_output else None,
+            block_len=block_len,
         )
         logger.info("Swapped %d modules:\n%s", len(report.swapped), report.table())
         return cls(module, contract, report, text_config)

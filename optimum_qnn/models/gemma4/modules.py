@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.gemma4 import modeling_gemma4 as hf
 
-from optimum_qnn.contract import AttentionKind, LayerSpec
+from optimum_qnn.contract import AttentionKind, LayerSpec, column_blocks
 from optimum_qnn.errors import UnsupportedModelError
-from optimum_qnn.ops.attention import static_gqa
+from optimum_qnn.ops.attention import blocked_gqa, static_gqa
 from optimum_qnn.ops.mask import window_band
 from optimum_qnn.ops.rope import apply_rope, gather_rope
 from optimum_qnn.ops.softcap import softcap
@@ -54,6 +54,9 @@ class StaticOptions:
     # Slots of a sliding layer's ring cache (the window; `CacheLayout.RING`), or None for full-length caches. Only
     # the window band's width depends on it: the layers attend over whatever columns their caches and mask bring.
     ring_len: int | None = None
+    # Slots per cache block (`CacheLayout.BLOCKS`): every cache that is no ring enters as blocks of at most this many
+    # columns, and attention reads them block by block (`ops.attention.blocked_gqa`). None: one input per cache.
+    block_len: int | None = None
     # Also return the final hidden state (after the norm): what an MTP drafter beside the target reads
     # (docs/assistant.md). Only variants built with an assistant have it, so the runner contract stays as it was.
     hidden_output: bool = False
@@ -147,13 +150,14 @@ class StaticGemma4Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor,
-        k_in: torch.Tensor,
-        v_in: torch.Tensor,
+        k_in: torch.Tensor | list[torch.Tensor],
+        v_in: torch.Tensor | list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Returns (output, K over all C columns, V over all C columns, new K slice, new V slice).
 
         ``k_in``/``v_in`` are this layer's caches (``[1, kv, hd, C-ar]`` / ``[1, kv, C-ar, hd]``) when it owns one,
-        or the full K/V (``[1, kv, hd, C]`` / ``[1, kv, C, hd]``) of the layer it reuses.
+        or the full K/V (``[1, kv, hd, C]`` / ``[1, kv, C, hd]``) of the layer it reuses. In the blocks layout they
+        are lists of column blocks instead, and so are the K/V returned: the blocks, then the call's own columns.
         """
         ar = x.shape[1]
         q = self.q_proj(x).view(1, ar, self.num_heads, self.head_dim)
@@ -168,9 +172,21 @@ class StaticGemma4Attention(nn.Module):
             # K is kept transposed ([.., head_dim, T]) so Q @ K needs no transpose of the whole cache.
             k_new = k.permute(0, 2, 3, 1)
             v_new = v.transpose(1, 2)
-            k_full = torch.cat([k_in, k_new], dim=-1)
-            v_full = torch.cat([v_in, v_new], dim=-2)
-        out = static_gqa(q, k_full, v_full, mask, self.scaling)
+            if isinstance(k_in, list):  # the blocks layout: never joined, so no tensor holds a whole cache
+                # `+ 0.0` stands where the full layout's `cat` stands: a graph input must not feed a matmul directly.
+                # With integer IO it then took the matmul's signed int16 operand encoding (no unsigned IO dtype), and
+                # ExecuTorch's `to_executorch` re-ran the delegate's graph with the uint16 input going into `bmm`
+                # ("expected scalar type torch.float32 but found torch.uint16"). The add keeps the input an
+                # activation (uint16) and promotes it to float in that re-run, as `cat` does.
+                k_full = [k + 0.0 for k in k_in] + [k_new]
+                v_full = [v + 0.0 for v in v_in] + [v_new]
+            else:
+                k_full = torch.cat([k_in, k_new], dim=-1)
+                v_full = torch.cat([v_in, v_new], dim=-2)
+        if isinstance(k_full, list):
+            out = blocked_gqa(q, k_full, v_full, mask, self.scaling)
+        else:
+            out = static_gqa(q, k_full, v_full, mask, self.scaling)
         return self.o_proj(out), k_full, v_full, k_new, v_new
 
 
@@ -322,6 +338,12 @@ class StaticGemma4ForCausalLM(nn.Module):
         self.final_logit_softcapping = final_logit_softcapping
         self.num_caches = sum(spec.owns_cache for spec in self.model.layer_specs)
         self.hidden_output = ctx.options.hidden_output
+        self.context_len = ctx.options.max_context_len
+        self.block_len = ctx.options.block_len
+        # Which caches enter as blocks: in the blocks layout, every one that is no ring.
+        ring = ctx.options.ring_len is not None
+        self.blocked = [self.block_len is not None and not (ring and spec.attention is AttentionKind.SLIDING)
+                        for spec in self.model.layer_specs if spec.owns_cache]
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -335,15 +357,27 @@ class StaticGemma4ForCausalLM(nn.Module):
         input_pos: torch.Tensor,
         *caches: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        n = self.num_caches
-        h, k_new, v_new = self.model(
-            tokens, atten_mask, sliding_atten_mask, input_pos, list(caches[:n]), list(caches[n:])
-        )
+        k_caches, v_caches = self._grouped(caches, tokens.shape[1])
+        h, k_new, v_new = self.model(tokens, atten_mask, sliding_atten_mask, input_pos, k_caches, v_caches)
         logits = self.lm_head(h)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits, self.final_logit_softcapping, quantized=self.quantized)
         # The hidden state goes last: every runner reads logits and the new K/V by their positions.
         return (logits, *k_new, *v_new, h) if self.hidden_output else (logits, *k_new, *v_new)
+
+    def _grouped(self, caches: tuple[torch.Tensor, ...], ar: int) -> tuple[list, list]:
+        """The flat cache inputs as one entry per cache-owning layer, K then V: a tensor, or a list of its blocks
+        (the runner contract's order: `contract.column_blocks` of this call's ``C - ar`` slots)."""
+        blocks = len(column_blocks(self.context_len - ar, self.block_len)) if self.block_len is not None else 1
+        sizes = [blocks if b else 1 for b in self.blocked]
+        if len(caches) != 2 * sum(sizes):
+            raise ValueError(f"expected {2 * sum(sizes)} cache inputs for a call of {ar} tokens; got {len(caches)}")
+        grouped, start = [], 0
+        for size, b in zip(sizes * 2, self.blocked * 2):
+            grouped.append(list(caches[start:start + size]) if b else caches[start])
+            start += size
+        n = len(sizes)
+        return grouped[:n], grouped[n:]
 
 
 @SWAPS.register(hf.Gemma4ForCausalLM)

@@ -310,13 +310,16 @@ class RunnerBackend:
 def check_runner_layout(variant: Path, contract) -> None:
     """Refuse, before anything is pushed or started, a variant whose caches ExecuTorch's C++ runner would misread:
     the runner keeps every cache at ``C - ar`` slots and writes K/V at ``n_past`` (its `KVManager`), so a ring layout
-    (sliding caches of ``sliding_window`` slots) would get wrong shapes or wrong columns."""
-    if contract.cache_layout.value != "full":
+    (sliding caches of ``sliding_window`` slots) would get wrong shapes or wrong columns, and a blocks layout (caches
+    cut into several inputs each) a different number of inputs."""
+    layout = contract.cache_layout.value
+    if layout != "full":
+        what = {"ring": f"sliding layers keep a ring of {contract.ring_len} slots",
+                "blocks": f"each long cache is cut into inputs of {contract.block_len} slots"}[layout]
         raise InvalidInputError(
-            f"Variant {variant.name} has the {contract.cache_layout.value!r} cache layout (sliding layers keep a ring of "
-            f"{contract.ring_len} slots), which ExecuTorch's qnn_llama_runner cannot drive: it keeps every cache at "
-            "C - ar slots. Run it with device='host' (or the onnxruntime backend), or export with --cache-layout full "
-            "for the runner"
+            f"Variant {variant.name} has the {layout!r} cache layout ({what}), which ExecuTorch's qnn_llama_runner "
+            "cannot drive: it keeps every cache as one tensor of C - ar slots. Run it with device='host' (or the "
+            "onnxruntime backend), or export with --cache-layout full for the runner"
         )
 
 
