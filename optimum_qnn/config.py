@@ -300,6 +300,10 @@ class ShapeConfig:
             )
 
 
+# Drafts per round of an assistant export when --draft-len is not given (docs/assistant.md).
+DEFAULT_DRAFT_LEN = 3
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     """Everything that decides what one export produces (one instance per CLI invocation)."""
@@ -338,6 +342,9 @@ class ExportConfig:
     recipe: str | None = None
     # N, W and G of `--mode lookahead` (ExecuTorch's --ngram/--window/--gcap); None in the other modes.
     lookahead: Lookahead | None = None
+    # Drafts per round of Gemma 4's assistant (default `DEFAULT_DRAFT_LEN` with --assistant) (`--assistant`, docs/assistant.md): kv_forward then verifies the last
+    # accepted token and K drafts in one call of K + 1 tokens. None: no assistant.
+    draft_len: int | None = None
 
     def __post_init__(self) -> None:
         # Wrong types from Python callers get the same clear error as wrong values from the command line.
@@ -363,6 +370,7 @@ class ExportConfig:
         if not self.socs:
             raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
+        self._check_draft_len()
         self._check_lookahead()
         if self.mode.has_prefill and shapes.max_seq_len is not None and shapes.prefill_ar_len >= shapes.max_seq_len:
             raise InvalidInputError(
@@ -425,6 +433,29 @@ class ExportConfig:
             )
         if shapes.cache_layout is not CacheLayout.FULL:
             raise InvalidInputError("--mode lookahead keeps the full cache layout (its tree's mask has no ring form); drop --cache-layout ring")
+
+    def _check_draft_len(self) -> None:
+        """An assistant's K: a positive integer, in hybrid mode, its verify call of K + 1 tokens below the context and
+        not the prefill call's length (that graph keeps its in-graph window band; the verify graph's mask has none)."""
+        k, shapes = self.draft_len, self.shapes
+        if k is None:
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidInputError(f"--draft-len must be an integer >= 1; got {k!r}")
+        if self.mode is not ExportMode.HYBRID:
+            raise InvalidInputError(f"--assistant builds on the hybrid mode (prefill + a verify call of K + 1 tokens); "
+                                    f"not --mode {self.mode.value}: drop --mode")
+        if k + 1 >= shapes.prefill_ar_len or (shapes.max_seq_len is not None and k + 1 >= shapes.max_seq_len):
+            raise InvalidInputError(
+                f"--draft-len {k} verifies {k + 1} tokens a call, which must be fewer than --prefill-ar-len "
+                f"({shapes.prefill_ar_len}) and --max-seq-len ({shapes.max_seq_len}): lower --draft-len")
+
+    @property
+    def decode_ar_len(self) -> int:
+        """Tokens per decode call: 1, a lookahead export's AR, or an assistant's K + 1 (its verify call)."""
+        if self.lookahead is not None:
+            return self.lookahead.ar_len
+        return 1 if self.draft_len is None else self.draft_len + 1
 
     def check_shards(self, num_layers: int) -> None:
         """A given --shards must leave each shard a decoder layer at least. Where the shards begin is chosen from

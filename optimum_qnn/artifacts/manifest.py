@@ -25,8 +25,8 @@ from optimum_qnn.errors import OptimumQnnError
 
 # 1.1 added `root_files`; a 1.0 manifest still reads (its root files are then not verified). 1.2 added
 # `quantization.weight_rounding` (absent: "nearest"). 1.3 added `mixed_precision.sensitivity_probes` (absent: not
-# recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding).
-SCHEMA_VERSION = "1.4"
+# recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding). 1.5 `contract.assistant` (absent: none).
+SCHEMA_VERSION = "1.5"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -148,6 +148,27 @@ class LookaheadInfo:
 
 
 @dataclass(frozen=True)
+class DraftSources:
+    """The target layers whose K/V cache buffers the drafter reads, by attention kind (`LayerSpec.index`)."""
+    full_attention: int
+    sliding_attention: int
+
+
+@dataclass(frozen=True)
+class AssistantInfo:
+    """``--assistant`` (docs/assistant.md): the drafter is method ``method`` (IO in ``methods``); ``kv_forward``
+    verifies ``draft_len`` drafts in one call of ``verify_ar`` tokens; ``sliding_window``: the drafter's own."""
+
+    model_id: str
+    draft_len: int
+    method: str
+    verify_ar: int
+    hidden_size: int
+    sliding_window: int
+    source_layers: DraftSources
+
+
+@dataclass(frozen=True)
 class Contract:
     """The runner contract (see docs/runner_contract.md)."""
 
@@ -167,6 +188,7 @@ class Contract:
     # sliding_window slots, position p in slot p % sliding_window (optimum_qnn.contract.CacheLayout).
     cache_layout: str = "full"
     lookahead: LookaheadInfo | None = None  # set by `--mode lookahead` (since 1.4)
+    assistant: AssistantInfo | None = None  # set by `--assistant` (since 1.5)
 
 
 @dataclass(frozen=True)
@@ -449,8 +471,9 @@ _RING_UPDATE = (_FULL_UPDATE + "; sliding layers: a ring of sliding_window slots
                 "p % sliding_window, sliding_atten_mask over the ring's slots then the call's own tokens")
 
 
-def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None) -> Contract:
-    """The manifest's view of a `RunnerContract`."""
+def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None,
+                     assistant: AssistantInfo | None = None) -> Contract:
+    """The manifest's view of a `RunnerContract` (with an assistant, its ``draft_forward`` is one of the methods)."""
     d = contract.to_dict()
     return Contract(
         context_len=d["context_len"],
@@ -473,4 +496,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         shards=shards,
         cache_layout=d["cache_layout"],
         lookahead=None if lookahead is None else LookaheadInfo(**lookahead.to_dict()),
+        assistant=assistant,
     )

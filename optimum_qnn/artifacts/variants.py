@@ -34,9 +34,11 @@ def entry_layout(entry: dict[str, Any]) -> str:
 
 
 def describe(entry: dict[str, Any]) -> str:
-    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` appended for the ring layout): how an error lists a variant."""
+    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` appended for the ring layout, ``/asstK`` for an assistant drafting K
+    tokens a round): how an error lists a variant."""
     ring = "/ring" if entry_layout(entry) == RING_LAYOUT else ""
-    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}"
+    assistant = f"/asst{entry['assistant']['draft_len']}" if entry.get("assistant") else ""
+    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}{assistant}"
 
 
 def select_variant(

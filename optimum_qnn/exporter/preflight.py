@@ -44,6 +44,9 @@ def check_arguments(model, output, config, revision, calibration, evaluate, eval
         raise InvalidInputError(f"evaluate must be a text file path; got {evaluate!r}")
     if assistant is not None and (not isinstance(assistant, (str, os.PathLike)) or not str(assistant).strip()):
         raise InvalidInputError(f"assistant must be a Hub id or a folder path; got {assistant!r}")
+    if assistant is None and getattr(config, "draft_len", None) is not None:
+        raise InvalidInputError(f"--draft-len {config.draft_len} sets how many tokens Gemma 4's assistant drafts a "
+                                "round; it needs --assistant REPO_OR_DIR (add it, or drop --draft-len)")
     if isinstance(evaluate_tokens, bool) or not isinstance(evaluate_tokens, int) or evaluate_tokens < 1:
         raise InvalidInputError(f"--evaluate-tokens must be a positive integer; got {evaluate_tokens!r}")
 
@@ -212,21 +215,14 @@ def load_tokenizer(folder: Path):
         ) from None
 
 
-def check_assistant(assistant: str, model: str, text_config) -> None:
+def check_assistant(assistant: str, model: str, text_config) -> Path:
     """``--assistant``, from its config alone, before the target's weights are read: a Gemma 4 assistant whose
-    vocabulary, width and attention heads fit the target (`assistant.check_assistant_ties`).
-
-    Lowering the drafter into the target's variant is not built yet, so an assistant that fits is refused too, with
-    that reason, rather than silently left out of the artifact. A Hub assistant is read at its default branch
-    (``--revision`` is the target's).
-    """
+    vocabulary, width and attention heads fit the target (`assistant.check_assistant_ties`). Returns its folder (a
+    Hub assistant is read at its default branch: ``--revision`` is the target's)."""
     from optimum_qnn.artifacts.hub import resolve_model_folder
     from optimum_qnn.models.gemma4.assistant import check_assistant_ties
     from optimum_qnn.models.gemma4.loading import read_assistant_config
 
     folder = resolve_model_folder(assistant)
     check_assistant_ties(read_assistant_config(folder), text_config, assistant_name=assistant, target_name=model)
-    raise InvalidInputError(
-        f"--assistant {assistant} fits {model}, but lowering the drafter into the target's variant is not built yet "
-        "(its static twins are: optimum_qnn.models.gemma4.assistant.StaticDrafter); export without --assistant"
-    )
+    return folder
