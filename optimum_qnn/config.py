@@ -370,7 +370,6 @@ class ExportConfig:
         if not self.socs:
             raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
-        self._check_draft_len()
         self._check_lookahead()
         if self.mode.has_prefill and shapes.max_seq_len is not None and shapes.prefill_ar_len >= shapes.max_seq_len:
             raise InvalidInputError(
@@ -433,22 +432,6 @@ class ExportConfig:
             )
         if shapes.cache_layout is not CacheLayout.FULL:
             raise InvalidInputError("--mode lookahead keeps the full cache layout (its tree's mask has no ring form); drop --cache-layout ring")
-
-    def _check_draft_len(self) -> None:
-        """An assistant's K: a positive integer, in hybrid mode, its verify call of K + 1 tokens below the context and
-        not the prefill call's length (that graph keeps its in-graph window band; the verify graph's mask has none)."""
-        k, shapes = self.draft_len, self.shapes
-        if k is None:
-            return
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise InvalidInputError(f"--draft-len must be an integer >= 1; got {k!r}")
-        if self.mode is not ExportMode.HYBRID:
-            raise InvalidInputError(f"--assistant builds on the hybrid mode (prefill + a verify call of K + 1 tokens); "
-                                    f"not --mode {self.mode.value}: drop --mode")
-        if k + 1 >= shapes.prefill_ar_len or (shapes.max_seq_len is not None and k + 1 >= shapes.max_seq_len):
-            raise InvalidInputError(
-                f"--draft-len {k} verifies {k + 1} tokens a call, which must be fewer than --prefill-ar-len "
-                f"({shapes.prefill_ar_len}) and --max-seq-len ({shapes.max_seq_len}): lower --draft-len")
 
     @property
     def decode_ar_len(self) -> int:

@@ -14,7 +14,7 @@ from tests.gemma4_assistant_tiny import tiny_assistant, tiny_assistant_config
 from tests.test_bad_input import refused
 
 # An assistant builds on the hybrid mode (`tests.test_bad_input.cli` exports kv at context 32).
-HYBRID = ("--mode", "hybrid", "--prefill-ar-len", "16")
+HYBRID = ("--mode", "hybrid", "--prefill-ar-len", "16", "--quant", "fp16")
 FIX = "Pass the assistant trained for this target (e.g. google/gemma-4-e2b-it-assistant"
 
 
@@ -61,11 +61,13 @@ def test_a_target_checkpoint_as_assistant_is_refused(demo_model_dir, tmp_path, c
 @pytest.mark.parametrize("flags, match", [
     (["--draft-len", "3"], "--draft-len 3 sets how many tokens Gemma 4's assistant drafts a round; it needs --assistant"),
     (["--assistant", "A", "--mode", "kv"], "verify call of K + 1 tokens); not --mode kv: drop --mode"),
-    (["--assistant", "A", "--mode", "lookahead"], "verify call of K + 1 tokens); not --mode lookahead: drop --mode"),
+    (["--assistant", "A", "--mode", "lookahead", "--ngram", "2", "--window", "2", "--gcap", "2"],
+     "verify call of K + 1 tokens); not --mode lookahead: drop --mode"),
     (["--assistant", "A", "--draft-len", "15"], "--draft-len 15 verifies 16 tokens a call, which must be fewer than "
                                                 "--prefill-ar-len (16)"),
     (["--assistant", "A", "--draft-len", "0"], "--draft-len must be an integer >= 1; got 0"),
-], ids=["draft-len-alone", "kv-mode", "lookahead-mode", "verify-past-prefill", "zero"])
+    (["--assistant", "A", "--quant", "16a8w"], "--assistant with a quantized scheme needs --float-io for now"),
+], ids=["draft-len-alone", "kv-mode", "lookahead-mode", "verify-past-prefill", "zero", "integer-io"])
 def test_assistant_flags_that_cannot_work_are_refused_before_any_work(flags, match, demo_model_dir, tmp_path, capsys,
                                                                      no_weights_read):
     refused(capsys, demo_model_dir, tmp_path, *HYBRID, *flags, match=match)
