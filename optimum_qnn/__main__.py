@@ -78,10 +78,35 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+        assistant = _assistant_of(Path(args.path))
+        if args.json:
+            print(json.dumps({**report.to_dict(), **({"assistant": assistant} if assistant else {})}, indent=2))
+        else:
+            print(report.to_text() + (f"\n\n{_assistant_line(assistant)}" if assistant else ""))
         return 0
 
     parser.set_defaults(handler=handler)
+
+
+def _assistant_of(path) -> dict | None:
+    """The manifest's assistant record of a variant folder (`inspect` of a folder), or None."""
+    import dataclasses
+
+    from optimum_qnn.artifacts.manifest import MANIFEST_NAME, ManifestError, read_manifest
+
+    if not (path / MANIFEST_NAME).is_file():
+        return None
+    try:
+        info = read_manifest(path).contract.assistant
+    except ManifestError:
+        return None  # the report is of the .pte; `doctor` and `run` say what is wrong with a manifest
+    return None if info is None else dataclasses.asdict(info)
+
+
+def _assistant_line(a: dict) -> str:
+    return (f"assistant: method {a['method']}, draft_len {a['draft_len']} (kv_forward verifies {a['verify_ar']} tokens "
+            f"a call), drafter {a['model_id']}, reads the K/V of layers {a['source_layers']['full_attention']} (full) "
+            f"and {a['source_layers']['sliding_attention']} (sliding)")
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:

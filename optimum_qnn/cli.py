@@ -15,6 +15,7 @@ from optimum_qnn.config import (
     BLOCK_SIZES,
     CacheLayout,
     DEFAULT_CONTEXT,
+    DEFAULT_DRAFT_LEN,
     EmbeddingQuant,
     ExportConfig,
     ExportMode,
@@ -139,8 +140,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     src_grp.add_argument("--allow-pickle", action="store_true", help="accept a checkpoint with only pickle .bin weights")
     src_grp.add_argument("--assistant", metavar="REPO_OR_DIR",
                          help="a Gemma 4 assistant (MTP drafter, e.g. google/gemma-4-e2b-it-assistant) for the target: "
-                              "checked against it (vocabulary, width, attention heads) before any work; lowering it "
-                              "into the variant is not built yet (docs/assistant.md)")
+                              "checked against it (vocabulary, width, attention heads) before any work, quantized "
+                              "with the target's scheme and lowered into the target's variant as its method "
+                              "draft_forward; the target's decode call then verifies K drafts (hybrid mode; quantized "
+                              "schemes need --float-io for now; docs/assistant.md)")
+    src_grp.add_argument("--draft-len", type=int, default=None, metavar="K",
+                         help=f"--assistant: drafts per round (default: {DEFAULT_DRAFT_LEN}); kv_forward takes K + 1 "
+                              "tokens (the last accepted one and the K drafts)")
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
@@ -188,6 +194,8 @@ def config_from_args(args: argparse.Namespace, scheme: str | None = None) -> Exp
         shards=args.shards,
         max_memory=None if args.max_memory is None else parse_max_memory(args.max_memory),
         lookahead=lookahead_from_args(args),
+        # --draft-len without --assistant is passed on, so the export refuses it naming the fix.
+        draft_len=args.draft_len if args.draft_len is not None or args.assistant is None else DEFAULT_DRAFT_LEN,
     )
 
 

@@ -312,6 +312,10 @@ class ShapeConfig:
                 f"cache_block_len {self.cache_block_len} cuts caches in the blocks layout only; this one is {self.cache_layout.value}")
 
 
+# Drafts per round of an assistant export when --draft-len is not given (docs/assistant.md).
+DEFAULT_DRAFT_LEN = 3
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     """Everything that decides what one export produces (one instance per CLI invocation)."""
@@ -350,6 +354,9 @@ class ExportConfig:
     recipe: str | None = None
     # N, W and G of `--mode lookahead` (ExecuTorch's --ngram/--window/--gcap); None in the other modes.
     lookahead: Lookahead | None = None
+    # Drafts per round of Gemma 4's assistant (default `DEFAULT_DRAFT_LEN` with --assistant) (`--assistant`, docs/assistant.md): kv_forward then verifies the last
+    # accepted token and K drafts in one call of K + 1 tokens. None: no assistant.
+    draft_len: int | None = None
 
     def __post_init__(self) -> None:
         # Wrong types from Python callers get the same clear error as wrong values from the command line.
@@ -438,6 +445,13 @@ class ExportConfig:
         if shapes.cache_layout not in (None, CacheLayout.FULL):
             raise InvalidInputError(
                 f"--mode lookahead keeps the full cache layout (its tree's mask has no ring form); drop --cache-layout {shapes.cache_layout.value}")
+
+    @property
+    def decode_ar_len(self) -> int:
+        """Tokens per decode call: 1, a lookahead export's AR, or an assistant's K + 1 (its verify call)."""
+        if self.lookahead is not None:
+            return self.lookahead.ar_len
+        return 1 if self.draft_len is None else self.draft_len + 1
 
     def check_shards(self, num_layers: int) -> None:
         """A given --shards must leave each shard a decoder layer at least. Where the shards begin is chosen from

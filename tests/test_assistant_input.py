@@ -13,6 +13,8 @@ from optimum_qnn.models.gemma4.loading import CheckpointError, load_assistant, r
 from tests.gemma4_assistant_tiny import tiny_assistant, tiny_assistant_config
 from tests.test_bad_input import refused
 
+# An assistant builds on the hybrid mode (`tests.test_bad_input.cli` exports kv at context 32).
+HYBRID = ("--mode", "hybrid", "--prefill-ar-len", "16", "--quant", "fp16")
 FIX = "Pass the assistant trained for this target (e.g. google/gemma-4-e2b-it-assistant"
 
 
@@ -46,21 +48,29 @@ def _assistant_folder(tmp_path: Path, demo_model_dir: Path, **text_overrides) ->
 def test_an_assistant_of_another_target_is_refused_naming_both_values(
         overrides, match, demo_model_dir, tmp_path, capsys, no_weights_read):
     folder = _assistant_folder(tmp_path, demo_model_dir, **overrides)
-    err = refused(capsys, demo_model_dir, tmp_path, "--assistant", folder, match=match)
+    err = refused(capsys, demo_model_dir, tmp_path, "--assistant", folder, *HYBRID, match=match)
     assert f"The assistant {folder} does not fit the target {demo_model_dir}" in err and FIX in err
 
 
 def test_a_target_checkpoint_as_assistant_is_refused(demo_model_dir, tmp_path, capsys, no_weights_read):
-    err = refused(capsys, demo_model_dir, tmp_path, "--assistant", demo_model_dir,
+    err = refused(capsys, demo_model_dir, tmp_path, "--assistant", demo_model_dir, *HYBRID,
                   match="is not a Gemma 4 assistant (model_type 'gemma4_text'")
     assert "google/gemma-4-e2b-it-assistant" in err
 
 
-def test_an_assistant_that_fits_is_refused_as_not_lowered_yet(demo_model_dir, tmp_path, capsys, no_weights_read):
-    folder = _assistant_folder(tmp_path, demo_model_dir)
-    refused(capsys, demo_model_dir, tmp_path, "--assistant", folder,
-            match=f"--assistant {folder} fits {demo_model_dir}, but lowering the drafter into the target's variant "
-                  "is not built yet")
+@pytest.mark.parametrize("flags, match", [
+    (["--draft-len", "3"], "--draft-len 3 sets how many tokens Gemma 4's assistant drafts a round; it needs --assistant"),
+    (["--assistant", "A", "--mode", "kv"], "verify call of K + 1 tokens); not --mode kv: drop --mode"),
+    (["--assistant", "A", "--mode", "lookahead", "--ngram", "2", "--window", "2", "--gcap", "2"],
+     "verify call of K + 1 tokens); not --mode lookahead: drop --mode"),
+    (["--assistant", "A", "--draft-len", "15"], "--draft-len 15 verifies 16 tokens a call, which must be fewer than "
+                                                "--prefill-ar-len (16)"),
+    (["--assistant", "A", "--draft-len", "0"], "--draft-len must be an integer >= 1; got 0"),
+    (["--assistant", "A", "--quant", "16a8w"], "--assistant with a quantized scheme needs --float-io for now"),
+], ids=["draft-len-alone", "kv-mode", "lookahead-mode", "verify-past-prefill", "zero", "integer-io"])
+def test_assistant_flags_that_cannot_work_are_refused_before_any_work(flags, match, demo_model_dir, tmp_path, capsys,
+                                                                     no_weights_read):
+    refused(capsys, demo_model_dir, tmp_path, *HYBRID, *flags, match=match)
 
 
 def test_load_assistant_reads_every_tensor_and_refuses_a_missing_one(tmp_path):

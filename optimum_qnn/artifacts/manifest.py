@@ -149,16 +149,24 @@ class LookaheadInfo:
 
 
 @dataclass(frozen=True)
-class AssistantInfo:
-    """A variant exported with a Gemma 4 assistant (docs/assistant.md): ``method`` drafts one token per call from the
-    target's caches and last hidden state; ``kv_forward`` verifies ``draft_len`` drafts after the last token in one
-    call of ``verify_ar`` (= draft_len + 1) tokens; ``sliding_window`` is the drafter's own window (its sliding
-    layers read the target's K/V of the last ``sliding_window`` positions)."""
+class DraftSources:
+    """The target layers whose K/V cache buffers the drafter reads, by attention kind (`LayerSpec.index`)."""
+    full_attention: int
+    sliding_attention: int
 
+
+@dataclass(frozen=True)
+class AssistantInfo:
+    """``--assistant`` (docs/assistant.md): the drafter is method ``method`` (IO in ``methods``); ``kv_forward``
+    verifies ``draft_len`` drafts in one call of ``verify_ar`` tokens; ``sliding_window``: the drafter's own."""
+
+    model_id: str
     draft_len: int
     method: str
     verify_ar: int
+    hidden_size: int
     sliding_window: int
+    source_layers: DraftSources
 
 
 @dataclass(frozen=True)
@@ -468,8 +476,9 @@ _BLOCKS_UPDATE = (_RING_UPDATE + " (where the window is shorter than C - 1); eve
                   "block_len slots, block b holding slots [b * block_len, (b + 1) * block_len)")
 
 
-def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None) -> Contract:
-    """The manifest's view of a `RunnerContract`."""
+def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None,
+                     assistant: AssistantInfo | None = None) -> Contract:
+    """The manifest's view of a `RunnerContract` (with an assistant, its ``draft_forward`` is one of the methods)."""
     d = contract.to_dict()
     return Contract(
         context_len=d["context_len"],
@@ -493,4 +502,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         cache_layout=d["cache_layout"],
         lookahead=None if lookahead is None else LookaheadInfo(**lookahead.to_dict()),
         block_len=d["block_len"],
+        assistant=assistant,
     )

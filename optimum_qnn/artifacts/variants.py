@@ -36,9 +36,11 @@ def entry_layout(entry: dict[str, Any]) -> str:
 
 
 def describe(entry: dict[str, Any]) -> str:
-    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` or ``/blocks`` appended for those layouts): how an error lists a variant."""
+    """``SM8650/fp16/ctx64/hybrid`` (``/ring`` or ``/blocks`` appended for those layouts, ``/asstK`` for an assistant
+    drafting K tokens a round): how an error lists a variant."""
     ring = "" if entry_layout(entry) == FULL_LAYOUT else f"/{entry_layout(entry)}"
-    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}"
+    assistant = f"/asst{entry['assistant']['draft_len']}" if entry.get("assistant") else ""
+    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}{assistant}"
 
 
 def select_variant(

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from optimum_qnn.config import ExportConfig, ExportMode, Soc
+from optimum_qnn.contract import DRAFT_METHOD
 from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.artifacts.manifest import (
     mixed_precision_section,
@@ -72,13 +73,21 @@ class ArtifactError(OptimumQnnError):
     """The artifact folder cannot be written or read."""
 
 
+def _layout(config: ExportConfig) -> str:
+    """The cache layout's name; a layout left to the exporter (None) that reached the writer is the full one."""
+    return getattr(config.shapes.cache_layout, "value", "full")
+
+
 def variant_name(soc: Soc, config: ExportConfig) -> str:
-    """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` or ``-blocks`` appended for those cache layouts, then ``-kv`` for decode-only
-    exports, ``-lhdNwWgG`` for lookahead ones): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
+    """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` or ``-blocks`` appended for those cache layouts, then ``-kv`` for
+    decode-only exports, ``-lhdNwWgG`` for lookahead ones, ``-asstK`` for those with an assistant drafting K tokens a
+    round): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
     mode = {ExportMode.HYBRID: "", ExportMode.KV: "-kv"}.get(config.mode, "")
     if config.lookahead is not None:  # its decode graph differs with N, W and G
         mode = f"-lhd{config.lookahead.ngram}w{config.lookahead.window}g{config.lookahead.gcap}"
-    layout = {"ring": "-ring", "blocks": "-blocks"}.get(getattr(config.shapes.cache_layout, "value", "full"), "")
+    if config.draft_len is not None:  # its decode graph verifies K + 1 tokens, and it holds the drafter
+        mode = f"-asst{config.draft_len}"
+    layout = {"ring": "-ring", "blocks": "-blocks"}.get(_layout(config), "")
     return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{layout}{mode}"
 
 
@@ -272,12 +281,13 @@ class VariantWriter:
 
     def write_variant(
         self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None, evaluate=None,
-        inspection=None, mixed_plan=None,
+        inspection=None, mixed_plan=None, assistant=None,
     ) -> Path:
         """Write one variant atomically; returns its folder.
 
         ``evaluate(folder, manifest) -> Evaluation``, when given, runs on the complete staged variant; its result
-        goes into the manifest before the variant is put in place.
+        goes into the manifest before the variant is put in place. ``assistant``: the manifest's `AssistantInfo` of
+        a variant with a drafter (its method is in ``contract``).
         """
         from optimum_qnn.sdk import ensure_qnn_sdk
 
@@ -312,7 +322,7 @@ class VariantWriter:
                     mixed_precision=mixed_precision_section(mixed_plan),
                 ),
                 contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards,
-                                          lookahead=config.lookahead),
+                                          lookahead=config.lookahead, assistant=assistant),
                 tokenizer=self._tokenizer_info(root_files),
                 program=program,
                 files=[program],
@@ -360,9 +370,11 @@ class VariantWriter:
             "quant": config.quant_tag,
             "context_len": config.shapes.max_seq_len,
             "mode": config.mode.value,
-            "cache_layout": config.shapes.cache_layout.value,  # an index without it: every variant is full
+            "cache_layout": _layout(config),  # an index without it: every variant is full
             "manifest_sha256": sha256_file(self.output / name / MANIFEST_NAME),
         }
+        if config.draft_len is not None:  # an index without it: no variant has an assistant
+            entry["assistant"] = {"method": DRAFT_METHOD, "draft_len": config.draft_len}
         index["variants"] = [v for v in index["variants"] if v.get("path") != name] + [entry]
         index["variants"].sort(key=lambda v: v["path"])
         atomic_write_text(self.output / INDEX_NAME, json.dumps(index, indent=2) + "\n")

@@ -93,11 +93,14 @@ def to_edge(
     constant_methods: Mapping[str, Any] | None,
     skip_ops: Collection[str],
     int64_inputs: Collection[str],
-    shard_starts: Collection[int],
+    shard_starts: Mapping[str, Collection[int]],
     quantized_io: Mapping[str, Collection[int]],
+    float_outputs: Mapping[str, Collection[int]] | None = None,
 ) -> EdgeProgramManager:
     """The first half of ExecuTorch's `to_edge_transform_and_lower` as `to_edge_transform_and_lower_to_qnn` (1.5.1)
-    calls it: QNN's export passes, edge conversion keeping the ops QNN's partitioner wants whole, QNN's edge passes."""
+    calls it: QNN's export passes, edge conversion keeping the ops QNN's partitioner wants whole, QNN's edge passes.
+    ``shard_starts``: per method, the layers that begin a shard; ``float_outputs``: per method of ``quantized_io``,
+    output positions that stay float32 (see `EdgeLowering`)."""
     from executorch.backends.qualcomm._passes.qnn_pass_manager import get_qnn_pass_manager_cls
     from executorch.backends.qualcomm.utils.utils import (
         flatbuffer_to_option,
@@ -114,8 +117,9 @@ def to_edge(
         tagger = None
         if name in quantized_io:
             user_inputs = program.graph_signature.user_inputs
-            tagger = taggers[name] = _QuantIoTagger({user_inputs[i] for i in quantized_io[name]})
-        passes_job, dep_table = _passes_job(int64_inputs, shard_starts, tagger)
+            tagger = taggers[name] = _QuantIoTagger({user_inputs[i] for i in quantized_io[name]},
+                                                    (float_outputs or {}).get(name, ()))
+        passes_job, dep_table = _passes_job(int64_inputs, shard_starts.get(name, ()), tagger)
         manager = get_qnn_pass_manager_cls(backend_type)()
         # Before edge conversion: these passes add constants that lift_constant_tensor_pass must lift.
         prune_provenance(program.graph_module)
@@ -410,13 +414,16 @@ def _reporting_partitioner() -> type:
 
 
 class _QuantIoTagger:
-    """`TagQuantIO`'s ``get_quant_io_dtype_fn``: the named input placeholders and every graph output keep the
-    integer dtype of the encoding Q/DQ folding left on them (so no Q/DQ is inserted at the delegate's boundary)."""
+    """`TagQuantIO`'s ``get_quant_io_dtype_fn``: the named input placeholders and every graph output but those at
+    ``float_outputs`` (positions) keep the integer dtype of the encoding Q/DQ folding left on them (so no Q/DQ is
+    inserted at the delegate's boundary); a float output is dequantized inside the delegate."""
 
-    def __init__(self, input_names: Collection[str]):
+    def __init__(self, input_names: Collection[str], float_outputs: Collection[int] = ()):
         self.input_names = frozenset(input_names)
+        self.float_outputs = frozenset(float_outputs)
         self.inputs: set[str] = set()
-        self.outputs: dict[str, int] = {}  # tagged output node -> number of graph outputs
+        self.outputs: set[int] = set()  # positions of the tagged graph outputs
+        self.n_outputs = 0
 
     def __call__(self, node: torch.fx.Node):
         from executorch.backends.qualcomm.utils.constants import QCOM_QUANT_ATTRS, QCOM_QUANT_MAX, QCOM_QUANT_MIN
@@ -429,19 +436,25 @@ class _QuantIoTagger:
         if node.op == "placeholder" and node.name in self.input_names:
             self.inputs.add(node.name)
         elif outputs := [user for user in node.users if user.op == "output"]:
-            self.outputs[node.name] = len(outputs[0].args[0])
+            results = outputs[0].args[0]
+            self.n_outputs = len(results)
+            positions = {i for i, result in enumerate(results) if result is node}
+            if positions <= self.float_outputs:
+                return None
+            self.outputs |= positions
         else:
             return None
         return io_dtype(attrs[QCOM_QUANT_MIN], attrs[QCOM_QUANT_MAX])
 
     def check(self, method: str) -> None:
-        """Every requested input and every graph output was tagged (an untagged one would silently stay float)."""
+        """Every requested input and every graph output not kept float was tagged (an untagged one would silently
+        stay float)."""
         missing = sorted(self.input_names - self.inputs)
-        n_outputs = next(iter(self.outputs.values()), 0)
-        if missing or len(self.outputs) != n_outputs or not n_outputs:
+        untagged = set(range(self.n_outputs)) - self.outputs - self.float_outputs
+        if missing or untagged or (not self.n_outputs and not self.float_outputs):
             raise RuntimeError(
-                f"{method}: integer IO was not applied to inputs {missing} / {n_outputs - len(self.outputs)} outputs "
-                "(no quantization encoding on them after Q/DQ folding); export with --float-io"
+                f"{method}: integer IO was not applied to inputs {missing} / outputs {sorted(untagged)} (no "
+                "quantization encoding on them after Q/DQ folding); export with --float-io"
             )
 
 

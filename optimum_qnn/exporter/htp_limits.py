@@ -166,9 +166,9 @@ def block_len_for(layers: tuple[LayerSpec, ...], window: int | None, config: Exp
 
 
 def call_lengths(config: ExportConfig) -> tuple[int, ...]:
-    """Tokens per call of each method the export makes: the decode call (1, or a lookahead export's AR), and the
+    """Tokens per call of each method the export makes: the decode call (`ExportConfig.decode_ar_len`), and the
     prefill call's where there is one."""
-    decode_ar = config.lookahead.ar_len if config.lookahead is not None else 1
+    decode_ar = config.decode_ar_len
     return (decode_ar, config.shapes.prefill_ar_len) if config.mode.has_prefill else (decode_ar,)
 
 

@@ -161,8 +161,9 @@ def lower_to_pte(
     shared_buffer: bool = False,
     skip_ops: Collection[str] = (),
     int64_inputs: Collection[str] = (),
-    shard_starts: Collection[int] = (),
+    shard_starts: Collection[int] | Mapping[str, Collection[int]] = (),
     quantized_io: Mapping[str, Collection[int]] | None = None,
+    float_outputs: Mapping[str, Collection[int]] | None = None,
     workers: int | None = None,
     memory_budget_gb: float | None = None,
     path: str | Path | None = None,
@@ -175,7 +176,7 @@ def lower_to_pte(
     Args:
         programs: method name -> `ExportedProgram` or `(module, example_inputs)`; see `EdgeLowering`.
         soc: the target SoC.
-        fp16, constant_methods, skip_ops, int64_inputs, shard_starts, quantized_io: see `EdgeLowering`.
+        fp16, constant_methods, skip_ops, int64_inputs, shard_starts, quantized_io, float_outputs: see `EdgeLowering`.
         weight_sharing, shared_buffer, workers, memory_budget_gb, path: see `EdgeLowering.lower`.
 
     Returns:
@@ -183,7 +184,7 @@ def lower_to_pte(
     """
     lowering = EdgeLowering(
         programs, fp16=fp16, constant_methods=constant_methods, skip_ops=skip_ops, int64_inputs=int64_inputs,
-        shard_starts=shard_starts, quantized_io=quantized_io,
+        shard_starts=shard_starts, quantized_io=quantized_io, float_outputs=float_outputs,
     )
     return lowering.lower(
         soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
@@ -220,8 +221,13 @@ class EdgeLowering:
         shard_starts: decoder layers (index in `layers.N`) that begin a new shard. Each shard is compiled into its
             own context binary, so the compiler holds one shard's weights at a time; the shards hand their
             activations over through an identity op on the CPU (`llama::fallback`).
+            A mapping gives each method its own (a method not in it is not split): with weight sharing, every
+            method must split into as many partitions (a Gemma 4 drafter has fewer layers than its target).
         quantized_io: method name -> positions of the inputs that become integer graph IO (with the encoding the
-            quantizer gave them); every output of those methods does too. See `optimum_qnn.quantization.io`.
+            quantizer gave them); every output of those methods does too, but those of ``float_outputs``. See
+            `optimum_qnn.quantization.io`.
+        float_outputs: method name -> output positions that stay float32 with integer IO (an assistant's hidden
+            states: docs/assistant.md).
 
     Raises:
         ValueError: no methods, a method name that clashes with a constant method, or a malformed op name.
@@ -240,8 +246,9 @@ class EdgeLowering:
         constant_methods: Mapping[str, Any] | None = None,
         skip_ops: Collection[str] = (),
         int64_inputs: Collection[str] = (),
-        shard_starts: Collection[int] = (),
+        shard_starts: Collection[int] | Mapping[str, Collection[int]] = (),
         quantized_io: Mapping[str, Collection[int]] | None = None,
+        float_outputs: Mapping[str, Collection[int]] | None = None,
     ):
         if not programs:
             raise ValueError("No methods to lower")
@@ -256,10 +263,13 @@ class EdgeLowering:
         self.methods = tuple(programs)
         self.fp16 = fp16
         self.constant_methods = dict(constant_methods) if constant_methods else None
-        self.skip_ops = {*skip_ops, SHARD_OP} if shard_starts else set(skip_ops)
+        if not isinstance(shard_starts, Mapping):
+            shard_starts = dict.fromkeys(self.methods, shard_starts)
+        self.shard_starts = {name: tuple(sorted(starts)) for name, starts in shard_starts.items() if starts}
+        self.skip_ops = {*skip_ops, SHARD_OP} if self.shard_starts else set(skip_ops)
         self.int64_inputs = frozenset(int64_inputs)
-        self.shard_starts = tuple(sorted(shard_starts))
         self.quantized_io = dict(quantized_io or {})
+        self.float_outputs = {name: tuple(positions) for name, positions in (float_outputs or {}).items()}
         self._edge: EdgeProgramManager | None = None
         self._fresh = False  # the sources are exported programs made for this lowering (`from_portable`)
 
@@ -286,6 +296,7 @@ class EdgeLowering:
         return {
             "saved": saved, "fp16": self.fp16, "constant_methods": self.constant_methods, "skip_ops": self.skip_ops,
             "int64_inputs": self.int64_inputs, "shard_starts": self.shard_starts, "quantized_io": self.quantized_io,
+            "float_outputs": self.float_outputs,
         }
 
     @classmethod
@@ -324,7 +335,7 @@ class EdgeLowering:
         with quiet_native_output() as native_log:
             spec = _edge_spec(fp16=self.fp16, multiple=len(self._programs) > 1)
             options = dict(skip_ops=self.skip_ops, int64_inputs=self.int64_inputs, shard_starts=self.shard_starts,
-                           quantized_io=self.quantized_io)
+                           quantized_io=self.quantized_io, float_outputs=self.float_outputs)
             parallel = self.parallel_edge if self.parallel_edge is not None else env_switch(EDGE_SIDE_BY_SIDE_VARIABLE, True)
             if len(self._programs) > 1 and parallel and fork_available():
                 # One method per process (ExecuTorch converts them one after the other, on one core).

@@ -7,6 +7,7 @@ SoC.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -24,10 +25,11 @@ import torch
 
 from optimum_qnn.artifacts.writer import BackgroundDigests, VariantWriter, check_output_folder, folder_lock, staging_path, variant_name
 from optimum_qnn.quantization.calibration import CalibrationSource
-from optimum_qnn.config import ExportConfig
-from optimum_qnn.contract import RunnerContract
+from optimum_qnn.config import DEFAULT_DRAFT_LEN, ExportConfig
+from optimum_qnn.contract import DRAFT_METHOD, RunnerContract
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.evaluation import DEFAULT_MAX_TOKENS
+from optimum_qnn.exporter.metadata import runner_metadata
 from optimum_qnn.artifacts.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
@@ -184,8 +186,8 @@ def export(
         cluster: an `optimum_qnn.exporter.cluster.RayMatrix`: the SoC-specific lowerings run as its tasks and this
             returns once they are submitted; the variants are written as `cluster.collect()` receives them.
         assistant: a Gemma 4 assistant (MTP drafter: Hub id or folder) for this target, checked against it before
-            the target's weights are read (docs/assistant.md); its lowering is not built yet, so one that fits is
-            refused too.
+            the target's weights are read, lowered as the method ``draft_forward`` of each variant, whose kv_forward
+            then verifies ``config.draft_len`` drafts (default `DEFAULT_DRAFT_LEN`) a call (docs/assistant.md).
 
     Returns:
         The variant folders written and per-stage wall time / peak RSS.
@@ -194,6 +196,8 @@ def export(
         OptimumQnnError: for every failure a user can cause (`InvalidInputError`, `CheckpointError`, `HubError`...).
     """
     check_arguments(model, output, config, revision, calibration, evaluate, evaluate_tokens, assistant)
+    if assistant is not None and config.draft_len is None:
+        config = dataclasses.replace(config, draft_len=DEFAULT_DRAFT_LEN)
     if cluster is not None and check_weight_sharing:
         raise InvalidInputError(_NO_SHARING_CHECK_ON_RAY)
     evaluate = None if evaluate is None else Path(evaluate)
@@ -285,8 +289,8 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     with _stage(result, "swap"):
         static = StaticCausalLM.from_hf(
             hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
-            decode_ar_len=config.lookahead.ar_len if config.lookahead is not None else 1,
-            quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout, block_len=shapes.cache_block_len,
+            decode_ar_len=config.decode_ar_len, quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout,
+            block_len=shapes.cache_block_len, hidden_output=assistant is not None,
         )
         result.swap_summary = static.report.table()
         check_overrides_match(static.module, config)
@@ -300,22 +304,39 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             lm_head_in_float32(static)
         if evaluate is None:
             del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
+    drafter = None
+    if assistant is not None:
+        from optimum_qnn.exporter import assistant as drafting
+
+        with _stage(result, "assistant"):  # after the CPU lookup's swap: the drafter adopts the target's embedding
+            drafter = drafting.load_drafter(assistant, static)
     # The manifest's SHA-256 of each weight file, hashed from here on in a low-priority thread: calibration leaves a
     # core mostly idle (120 % of 200 % at Gemma-4-E2B's size), where the swap uses both (started at load, the swap
     # took 32 s where it had taken 22-25).
     digests = BackgroundDigests(folder, load_report.files) if output is not None else None
     methods = [m.name for m in static.contract.methods]
-    shard_starts = memory.estimate.starts  # balanced by parameters (`ParameterCounts.shard_starts`)
+    # Balanced by parameters (`ParameterCounts.shard_starts`); a drafter splits into as many partitions.
+    shard_starts = dict.fromkeys(methods, memory.estimate.starts)
+    examples = {name: static.example_inputs(name) for name in methods}
     with _stage(result, "export"):
         programs = {name: static.export(name) for name in methods}
+        if drafter is not None:
+            examples[DRAFT_METHOD] = drafter.example_inputs()
+            programs[DRAFT_METHOD] = torch.export.export(drafter.module, examples[DRAFT_METHOD], strict=False)
+            shard_starts[DRAFT_METHOD] = drafting.drafter_shard_starts(
+                drafter, len(memory.estimate.starts) + 1, weight_sharing=config.weight_sharing)
     contract, quantized_io = static.contract, None
     if config.quant.is_quantized:
-        graphs = _quantize(static, programs, config, tokenizer, texts, result)
+        graphs = _quantize(static, {n: programs[n] for n in methods}, config, tokenizer, texts, result)
         if not config.float_io:
             from optimum_qnn.quantization.io import integer_io
 
             contract, quantized_io = integer_io(static.contract, graphs)
-        sources = {name: (graphs[name], static.example_inputs(name)) for name in methods}
+        if drafter is not None:
+            with _stage(result, "drafter"):
+                graphs[DRAFT_METHOD] = drafting.quantize_for_export(drafter, programs[DRAFT_METHOD], config, tokenizer,
+                                                                    texts, contract if quantized_io else None)
+        sources = {name: (graphs[name], examples[name]) for name in graphs}
         del programs
         with _stage(result, "map"):  # where the quantized weights live until the lowering is done
             if evaluate is None:
@@ -326,6 +347,15 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     else:
         sources = programs
         del programs
+    float_outputs, assistant_info = {}, None
+    if drafter is not None:
+        contract = drafting.with_drafter(contract, drafter)
+        float_outputs = drafting.float_outputs(contract) if quantized_io else {}
+        if quantized_io:
+            from optimum_qnn.quantization.io import quantized_inputs
+
+            quantized_io[DRAFT_METHOD] = quantized_inputs(drafter.method)
+        assistant_info = drafting.assistant_info(drafter, source_model_id(assistant, Path(assistant)), config.draft_len)
     writer = VariantWriter(
         output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
         load_report=load_report, tokenizer=tokenizer, text_config=static.text_config, weight_digests=digests,
@@ -343,11 +373,12 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     # each SoC then partitions, compiles and serializes its own copy, the last SoC's lowering (or its unshared
     # inspection build) consuming the edge programs.
     lowering = EdgeLowering(
-        sources, fp16=not config.quant.is_quantized, constant_methods=runner_metadata(static, config, contract),
+        sources, fp16=not config.quant.is_quantized, constant_methods=runner_metadata(static, contract),
         skip_ops=_CPU_OPS, int64_inputs={"tokens"}, shard_starts=shard_starts, quantized_io=quantized_io,
+        float_outputs=float_outputs,
     )
     del sources
-    weight_sharing = config.weight_sharing and len(methods) > 1
+    weight_sharing = config.weight_sharing and len(lowering.methods) > 1
 
     def write(soc: Soc, lowered: LoweredProgram, unshared=None) -> None:
         """Inspect one SoC's lowered program and put its variant in place (the card lists every variant)."""
@@ -356,7 +387,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
         with _stage(result, f"write {soc.value}"):
             path = writer.write_variant(
                 variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
-                evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan,
+                evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan, assistant=assistant_info,
             )
             result.variants.append(path)
             with folder_lock(output):  # the folder is complete as published: its card lists every variant
@@ -449,43 +480,3 @@ def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer,
         static, programs, config, tokenizer, texts, stage=lambda name: _stage(result, name)
     )
     return graphs
-
-
-def runner_metadata(
-    static: StaticCausalLM, config: ExportConfig, contract: RunnerContract | None = None
-) -> dict[str, int | float | bool]:
-    """Constant methods matching ExecuTorch's Qualcomm LLM runner, so its runners find what they read.
-
-    ``contract``: the deployed contract (integer IO of a quantized export); the static model's by default."""
-    cfg = static.text_config
-    contract = contract or static.contract
-    layers = contract.layers
-    sliding = [l for l in layers if l.attention.value == "sliding_attention"]
-    full = [l for l in layers if l.attention.value == "full_attention"]
-    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else (cfg.eos_token_id or [1])[0]
-    meta: dict[str, int | float | bool] = {
-        "get_ar_len": contract.methods[0].ar_len,
-        "get_bos_id": int(cfg.bos_token_id if cfg.bos_token_id is not None else -1),
-        "get_eos_id": int(eos),
-        "get_dim": cfg.hidden_size,
-        "get_head_dim": (sliding or full)[0].head_dim,
-        "get_global_head_dim": (full or sliding)[0].head_dim,
-        "get_max_batch_size": 1,
-        "get_max_seq_len": contract.context_len,
-        "get_max_context_len": contract.context_len,
-        "get_n_bos": 1,
-        "get_n_eos": 1,
-        "get_n_kv_heads": layers[0].kv_heads,
-        "get_n_layers": cfg.num_hidden_layers,
-        "get_n_self_layers": len(contract.cache_layers),
-        "get_vocab_size": cfg.vocab_size,
-        "get_use_kv_cache": True,
-        "get_sliding_window": contract.sliding_window or 0,
-        "get_num_kv_shared_layers": cfg.num_kv_shared_layers,
-    }
-    meta["get_kv_io_bit_width"] = contract.kv_io_bits
-    logits = contract.methods[0].outputs[0]
-    if logits.quantized:  # what ExecuTorch's host scripts read to dequantize uint16 logits
-        meta["get_logits_scale"] = logits.scale
-        meta["get_logits_zero_point"] = logits.zero_point
-    return meta

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optimum_qnn.quantization.calibration import CalibrationSource, check_text_file
-from optimum_qnn.config import DEFAULT_CONTEXT, EmbeddingQuant, ExportConfig
+from optimum_qnn.config import DEFAULT_CONTEXT, EmbeddingQuant, ExportConfig, ExportMode
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.exporter.memory import MemoryPlan, choose_memory_plan
 from optimum_qnn.exporter.parameters import ParameterCounts
@@ -44,8 +44,33 @@ def check_arguments(model, output, config, revision, calibration, evaluate, eval
         raise InvalidInputError(f"evaluate must be a text file path; got {evaluate!r}")
     if assistant is not None and (not isinstance(assistant, (str, os.PathLike)) or not str(assistant).strip()):
         raise InvalidInputError(f"assistant must be a Hub id or a folder path; got {assistant!r}")
+    if assistant is None and getattr(config, "draft_len", None) is not None:
+        raise InvalidInputError(f"--draft-len {config.draft_len} sets how many tokens Gemma 4's assistant drafts a "
+                                "round; it needs --assistant REPO_OR_DIR (add it, or drop --draft-len)")
+    check_draft_len(config)
     if isinstance(evaluate_tokens, bool) or not isinstance(evaluate_tokens, int) or evaluate_tokens < 1:
         raise InvalidInputError(f"--evaluate-tokens must be a positive integer; got {evaluate_tokens!r}")
+
+
+def check_draft_len(config: ExportConfig) -> None:
+    """An assistant's K: a positive integer, in hybrid mode, its verify call of K + 1 tokens below the context and
+    not the prefill call's length (that graph keeps its in-graph window band; the verify graph's mask has none)."""
+    k, shapes = config.draft_len, config.shapes
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidInputError(f"--draft-len must be an integer >= 1; got {k!r}")
+    if config.mode is not ExportMode.HYBRID:
+        raise InvalidInputError(f"--assistant builds on the hybrid mode (prefill + a verify call of K + 1 tokens); "
+                                f"not --mode {config.mode.value}: drop --mode")
+    if config.quant.is_quantized and not config.float_io:
+        raise InvalidInputError(  # measured on the tiny pair: docs/assistant.md#export
+            "--assistant with a quantized scheme needs --float-io for now: with uint16 graph IO the drafter lowers "
+            "into another number of QNN partitions than the target, which ExecuTorch refuses; add --float-io")
+    if k + 1 >= shapes.prefill_ar_len or (shapes.max_seq_len is not None and k + 1 >= shapes.max_seq_len):
+        raise InvalidInputError(
+            f"--draft-len {k} verifies {k + 1} tokens a call, which must be fewer than --prefill-ar-len "
+            f"({shapes.prefill_ar_len}) and --max-seq-len ({shapes.max_seq_len}): lower --draft-len")
 
 
 def first_missing(path: Path) -> Path | None:
@@ -218,21 +243,14 @@ def load_tokenizer(folder: Path):
         ) from None
 
 
-def check_assistant(assistant: str, model: str, text_config) -> None:
+def check_assistant(assistant: str, model: str, text_config) -> Path:
     """``--assistant``, from its config alone, before the target's weights are read: a Gemma 4 assistant whose
-    vocabulary, width and attention heads fit the target (`assistant.check_assistant_ties`).
-
-    Lowering the drafter into the target's variant is not built yet, so an assistant that fits is refused too, with
-    that reason, rather than silently left out of the artifact. A Hub assistant is read at its default branch
-    (``--revision`` is the target's).
-    """
+    vocabulary, width and attention heads fit the target (`assistant.check_assistant_ties`). Returns its folder (a
+    Hub assistant is read at its default branch: ``--revision`` is the target's)."""
     from optimum_qnn.artifacts.hub import resolve_model_folder
     from optimum_qnn.models.gemma4.assistant import check_assistant_ties
     from optimum_qnn.models.gemma4.loading import read_assistant_config
 
     folder = resolve_model_folder(assistant)
     check_assistant_ties(read_assistant_config(folder), text_config, assistant_name=assistant, target_name=model)
-    raise InvalidInputError(
-        f"--assistant {assistant} fits {model}, but lowering the drafter into the target's variant is not built yet "
-        "(its static twins are: optimum_qnn.models.gemma4.assistant.StaticDrafter); export without --assistant"
-    )
+    return folder

@@ -22,8 +22,15 @@ from optimum_qnn.contract import MethodSpec, RunnerContract
 
 _BLOCK_SUFFIX = re.compile(r"_block\d+$")
 
-# Inputs that become integer IO: the two masks and every cache. Every output does.
-_FLOAT_INPUTS = ("tokens", "input_pos")
+# Inputs that become integer IO: the two masks and every cache. Every output does, but the hidden states a Gemma 4
+# assistant reads and returns (float32 at both ends, so a drafter step can take either: docs/assistant.md).
+_FLOAT_INPUTS = ("tokens", "input_pos", "hidden")
+FLOAT_OUTPUTS = ("hidden", "hidden_out")
+
+
+def float_output_positions(spec: MethodSpec) -> tuple[int, ...]:
+    """Positions of the outputs of ``spec`` that stay float32 with integer IO (`FLOAT_OUTPUTS`)."""
+    return tuple(i for i, t in enumerate(spec.outputs) if t.name in FLOAT_OUTPUTS)
 
 
 def quantized_inputs(spec: MethodSpec) -> frozenset[int]:
@@ -131,8 +138,12 @@ def integer_io(
 ) -> tuple[RunnerContract, dict[str, frozenset[int]]]:
     """The contract of a quantized export with integer masks, caches and logits, and per method the positions of
     the inputs to keep integer. Prefill and decode were quantized with shared observers, so their IO encodings must
-    agree (a difference raises `RuntimeError` naming the tensors)."""
+    agree (a difference raises `RuntimeError` naming the tensors). An assistant's ``hidden`` output stays float32
+    (`FLOAT_OUTPUTS`): the drafter reads it beside its own ``hidden_out``, whose range differs."""
     encodings = {name: io_encodings(graph, contract.method(name)) for name, graph in graphs.items()}
+    for found in encodings.values():
+        for name in FLOAT_OUTPUTS:
+            found.pop(name, None)
     first, *others = encodings.values()
     for name, other in zip(list(encodings)[1:], others):
         if other != first:

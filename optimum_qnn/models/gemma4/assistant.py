@@ -223,10 +223,12 @@ class StaticDrafter:
         return cls(module, method, target, window, report)
 
     def masks(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full and sliding masks of a drafter step at ``position`` (the target's K/V of ``[0, position)``)."""
+        """The full and sliding masks of a drafter step at ``position`` (the target's K/V of ``[0, position)``), over
+        the target decode method's cache slots (``C - ar``: fewer than ``C - 1`` when it verifies several tokens)."""
         c = self.target.contract
-        full = draft_mask(c.context_len, position)
-        sliding = draft_mask(c.context_len, position, window=self.window, ring_len=c.ring_len)
+        columns = self.method.inputs[2].shape[-1] + 1  # draft_mask's "context": the slots and the step's own column
+        full = draft_mask(columns, position)
+        sliding = draft_mask(columns, position, window=self.window, ring_len=c.ring_len)
         return torch.from_numpy(full), torch.from_numpy(sliding)
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
-from optimum_qnn.contract import PREFILL_METHOD
+from optimum_qnn.contract import DECODE_METHOD, DRAFT_METHOD, PREFILL_METHOD
 from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
 from optimum_qnn.runtime.backends.bundle import (
     BACKEND_LIBRARY, RUNNER_NAME, BundleFile, find_backend_library, find_runner,
@@ -311,7 +311,8 @@ def check_runner_layout(variant: Path, contract) -> None:
     """Refuse, before anything is pushed or started, a variant whose caches ExecuTorch's C++ runner would misread:
     the runner keeps every cache at ``C - ar`` slots and writes K/V at ``n_past`` (its `KVManager`), so a ring layout
     (sliding caches of ``sliding_window`` slots) would get wrong shapes or wrong columns, and a blocks layout (caches
-    cut into several inputs each) a different number of inputs."""
+    cut into several inputs each) a different number of inputs; nor can it run an assistant's drafter, or feed the
+    verify call of its kv_forward."""
     layout = contract.cache_layout.value
     if layout != "full":
         what = {"ring": f"sliding layers keep a ring of {contract.ring_len} slots",
@@ -320,6 +321,13 @@ def check_runner_layout(variant: Path, contract) -> None:
             f"Variant {variant.name} has the {layout!r} cache layout ({what}), which ExecuTorch's qnn_llama_runner "
             "cannot drive: it keeps every cache as one tensor of C - ar slots. Run it with device='host' (or the "
             "onnxruntime backend), or export with --cache-layout full for the runner"
+        )
+    if any(m.name == DRAFT_METHOD for m in contract.methods):
+        raise InvalidInputError(
+            f"Variant {variant.name} was exported with Gemma 4's assistant (method {DRAFT_METHOD}, a kv_forward that "
+            f"verifies {contract.method(DECODE_METHOD).ar_len} tokens a call): ExecuTorch's qnn_llama_runner has no "
+            "drafter and decodes one token a kv_forward call. Run it with device='host' (or the onnxruntime "
+            "backend), or export without --assistant for the runner"
         )
 
 
