@@ -232,3 +232,21 @@ def test_executorchs_runner_refuses_an_assistant_variant_before_anything_runs(as
     export = assistant_export("fp16", *UNSHARED)
     with pytest.raises(Exception, match="exported with Gemma 4's assistant .* qnn_llama_runner has no drafter"):
         check_runner_layout(export.variant, export.manifest.runner_contract())
+
+
+@pytest.mark.parametrize("device", ["host:executorch", "host:onnxruntime"])
+@pytest.mark.parametrize("quant", ["fp16", pytest.param("16a8w", marks=pytest.mark.slow)])
+def test_speculative_greedy_through_the_exported_drafter_is_plain_greedy(quant, device, assistant_export):
+    """The export and the runtime together: the variant's drafter drafts, its kv_forward verifies K + 1 tokens, and
+    the greedy tokens are those of plain decoding of the same variant (a prompt of two prefill calls). 16a8w needs
+    --float-io with an assistant (docs/assistant.md#export) and costs a second quantized export: test-all."""
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    export = assistant_export(quant, *UNSHARED, *(("--float-io",) if quant != "fp16" else ()))
+    model = QNNModelForCausalLM.from_pretrained(export.folder, device=device)
+    prompt = list(range(3, 14))
+    plain = model.generate(prompt, max_new_tokens=16, eos_token_id=[])
+    assert model.stats.target_calls == 15
+    drafted = model.generate(prompt, max_new_tokens=16, eos_token_id=[], speculative="assistant")
+    assert drafted.tolist() == plain.tolist()
+    assert model.stats.speculative == "assistant" and model.stats.drafter_calls >= model.stats.target_calls
