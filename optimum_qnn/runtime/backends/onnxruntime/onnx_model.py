@@ -43,8 +43,8 @@ def _int_field(number: int, value: int) -> bytes:
     return _varint(number << 3) + _varint(value)
 
 
-def _bytes_field(number: int, value: bytes | str | memoryview) -> bytes:
-    data = value.encode() if isinstance(value, str) else bytes(value)
+def _bytes_field(number: int, value: bytes | str) -> bytes:
+    data = value.encode() if isinstance(value, str) else value
     return _varint((number << 3) | 2) + _varint(len(data)) + data
 
 
@@ -69,7 +69,7 @@ def _attribute_int(name: str, value: int) -> bytes:
     return _bytes_field(1, name) + _int_field(20, _ATTR_INT) + _int_field(3, value)
 
 
-def _attribute_bytes(name: str, value: bytes | str | memoryview) -> bytes:
+def _attribute_bytes(name: str, value: bytes | str) -> bytes:
     return _bytes_field(1, name) + _int_field(20, _ATTR_STRING) + _bytes_field(4, value)
 
 
@@ -77,23 +77,28 @@ def ep_context_model(
     graph_name: str,
     inputs: Sequence[TensorType],
     outputs: Sequence[TensorType],
-    context: bytes | memoryview | None,
+    context_file: str | None,
     *,
     main_context: bool = True,
 ) -> bytes:
     """A serialized ONNX model that runs QNN graph `graph_name` of a context binary through onnxruntime-qnn.
 
+    The context stays outside the model (`embed_mode=0`): embedded, it was copied into the Python bytes, into
+    onnxruntime's parsed model and into QNN (measured on a 0.64 GB context of Gemma-4-E2B: peak RSS 5.18 GB embedded,
+    2.68 GB from a file).
+
     Args:
         graph_name: the QNN graph's name: the QNN EP finds the graph in the context by the node's name.
         inputs, outputs: the graph's tensors, named and typed as the context records them.
-        context: the QNN context binary, embedded in the node (`embed_mode=1`); None for a node that uses a
-            context another session loaded (`main_context=0`, with the session option `ep.share_ep_contexts=1`).
+        context_file: the file holding the QNN context binary, relative to the folder of the model file (the QNN EP
+            refuses absolute paths and `..`); None for a node that uses a context another session loaded
+            (`main_context=0`, with the session option `ep.share_ep_contexts=1`).
         main_context: whether this node carries the context (1) or refers to one already loaded (0).
     """
-    attributes = [_attribute_int("main_context", int(main_context)), _attribute_int("embed_mode", 1),
+    attributes = [_attribute_int("main_context", int(main_context)), _attribute_int("embed_mode", 0),
                   _attribute_bytes("source", "Qnn")]
-    if context is not None:
-        attributes.append(_attribute_bytes("ep_cache_context", context))
+    if context_file is not None:
+        attributes.append(_attribute_bytes("ep_cache_context", context_file))
     node = (
         b"".join(_bytes_field(1, t.name) for t in inputs)
         + b"".join(_bytes_field(2, t.name) for t in outputs)

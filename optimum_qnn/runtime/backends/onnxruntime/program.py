@@ -6,6 +6,11 @@ own context binary (`onnx_model.ep_context_model`). A context that holds several
 shard) is loaded once: its first graph's session carries the context (`main_context=1`), the others take their
 graph from it (`main_context=0`, session option `ep.share_ep_contexts=1`).
 
+Each context is written to a scratch folder of optimum-qnn's cache while its sessions load, and the models are loaded
+from files there (`embed_mode=0`); the folder is deleted once they have loaded. Embedded in in-memory model bytes, the
+context was held several times over (measured on one 0.64 GB context of Gemma-4-E2B: peak RSS 5.18 GB, 2.68 GB after
+loading; from a file, with the mapped pages released after each context: 2.68 GB and 0.82 GB).
+
 Delegate arguments map to graph tensors the way ExecuTorch's QNN backend maps them (executorch 1.5.1,
 `QnnManager::AllocateTensor` and `QnnExecuTorchBackend::execute`): the graph's inputs sorted by the number after the
 first `_` of their names (`input_3_caches_4@0` is input 3) take the first args in order; then every graph output
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +43,7 @@ from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.program import check_pte_structure, host_can_run
 from optimum_qnn.runtime.backends.onnxruntime.cpu_ops import KERNELS, missing_kernels, output_spec
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
+from optimum_qnn.sdk.loading import cache_home
 from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, package_dir, protect_unwinder, qnn_ep_devices
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,7 @@ _QNN_NUMPY = {
     "sfixed32": "int32",
 }
 QNN_BACKEND_ID = "QnnBackend"
+_CONTEXT_FILE = "context.bin"  # in each context's scratch folder, beside the models that name it
 
 
 @dataclass(frozen=True)
@@ -210,25 +218,44 @@ class OrtProgram:
             except QnnInspectError as e:
                 raise OrtBackendError(f"{self.path}: QNN context {key} cannot be read ({e}); export it again") from None
             share = len(users) > 1
-            for position, (plan, index) in enumerate(users):
-                graph = graphs.get(plan.name) or (next(iter(graphs.values())) if len(graphs) == 1 else None)
-                if graph is None:
-                    raise OrtBackendError(
-                        f"{self.path}: method {plan.name}'s QNN context {key} has no graph of that name "
-                        f"(it has {', '.join(graphs)})"
-                    )
-                main = position == 0
-                session = self._session(graph, binary if main else None, main=main, share=share)
-                calls[plan.name, index] = self._bind(plan, plan.instructions, index, graph, session)
+            scratch_root = cache_home() / "ort-contexts"
+            scratch_root.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix="context-", dir=scratch_root, ignore_cleanup_errors=True) as tmp:
+                scratch = Path(tmp)
+                with open(scratch / _CONTEXT_FILE, "wb") as f:
+                    f.write(binary)
+                for position, (plan, index) in enumerate(users):
+                    graph = graphs.get(plan.name) or (next(iter(graphs.values())) if len(graphs) == 1 else None)
+                    if graph is None:
+                        raise OrtBackendError(
+                            f"{self.path}: method {plan.name}'s QNN context {key} has no graph of that name "
+                            f"(it has {', '.join(graphs)})"
+                        )
+                    session = self._session(graph, scratch, main=position == 0, share=share)
+                    calls[plan.name, index] = self._bind(plan, plan.instructions, index, graph, session)
+            self._release_pages()
         return calls
 
-    def _session(self, graph: GraphInfo, binary: Any, *, main: bool, share: bool) -> Any:
+    def _release_pages(self) -> None:
+        """Drop the mapped `.pte` pages this process touched (reading and writing out a context) from its RSS.
+
+        They are clean file pages: the kernel refaults any that are read again (the constants), from the page cache
+        or the file, so nothing changes but the RSS (measured on Gemma-4-E2B's 4 contexts: file-backed RSS after
+        load 2.45 GB without this). No-op where `mmap` has no `madvise` (Windows).
+        """
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def _session(self, graph: GraphInfo, scratch: Path, *, main: bool, share: bool) -> Any:
+        """A session over ``graph``; the main one loads the context from ``scratch``, the others share it."""
         import onnxruntime
 
         model = ep_context_model(
             graph.name, [_tensor_type(t) for t in graph.inputs], [_tensor_type(t) for t in graph.outputs],
-            binary, main_context=main,
+            _CONTEXT_FILE if main else None, main_context=main,
         )
+        model_path = scratch / f"{graph.name}.onnx"
+        model_path.write_bytes(model)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # the QNN EP logs every graph it loads at warning level
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
@@ -242,7 +269,7 @@ class OrtProgram:
             options.add_session_config_entry("ep.share_ep_contexts", "1")
         options.add_provider_for_devices(qnn_ep_devices(), {"backend_path": str(htp_backend_path())})
         try:
-            session = onnxruntime.InferenceSession(model, sess_options=options)
+            session = onnxruntime.InferenceSession(str(model_path), sess_options=options)
         except Exception as e:  # onnxruntime raises its own exception types (Fail, RuntimeException...)
             raise OrtBackendError(
                 f"onnxruntime-qnn cannot load QNN graph {graph.name!r} of {self.path}: {e}"
