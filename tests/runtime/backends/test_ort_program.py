@@ -6,6 +6,8 @@ Every comparison is byte for byte: the same .pte, the same inputs, the outputs' 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -203,16 +205,29 @@ def test_contexts_load_from_scratch_files_not_python_bytes(a16w8_export):
     """Issue 51: no session keeps a Python copy of a context (onnxruntime's InferenceSession holds the bytes it was
     given for its whole life: one full context each, 0.62 GB of 2.68 GB RSS on one Gemma-4-E2B shard), the models name
     their context file instead of embedding it (`embed_mode=0`), the scratch files are gone once the program has
-    loaded, and the program still answers like ExecuTorch without them."""
-    from optimum_qnn.sdk.loading import cache_home
+    loaded, and the program still answers like ExecuTorch without them. A scratch folder a crashed load left behind
+    (older than a day) is removed by the next load; a recent one (another process loading) is not."""
+    from optimum_qnn.runtime.backends.onnxruntime.program import SCRATCH_MAX_AGE_S, scratch_folder
 
     (folder,) = variant_dirs(a16w8_export("hybrid"))
-    scratch_root = cache_home() / "ort-contexts"
-    before = set(scratch_root.iterdir()) if scratch_root.exists() else set()
-    program = _program(folder)
-    assert len(program._sessions) == 2  # prefill and decode of one context
-    assert all(s._model_bytes is None and s._model_path for s in program._sessions)
-    assert set(scratch_root.iterdir()) == before  # this load's scratch folder is deleted
+    scratch_root = scratch_folder()
+    stale, busy = scratch_root / "context-stale-test", scratch_root / "context-busy-test"
+    for made in (stale, busy):
+        (made / "context.bin").parent.mkdir(exist_ok=True)
+        (made / "context.bin").write_bytes(b"left behind")
+    old = time.time() - SCRATCH_MAX_AGE_S - 60
+    os.utime(stale, (old, old))
+    before = set(scratch_root.iterdir()) - {stale}
+    try:
+        program = _program(folder)
+        assert len(program._sessions) == 2  # prefill and decode of one context
+        assert all(s._model_bytes is None and s._model_path for s in program._sessions)
+        assert set(scratch_root.iterdir()) == before  # the stale folder and this load's own are gone, the busy one kept
+    finally:
+        for made in (stale, busy):
+            if made.exists():
+                (made / "context.bin").unlink()
+                made.rmdir()
     inputs = contract_inputs(read_manifest(folder), "kv_forward", 2)
     ours = program.methods["kv_forward"](inputs)
     assert all(same_bytes(a, b) for a, b in zip(ours, executorch_outputs(folder, "kv_forward", inputs)))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -218,8 +219,7 @@ class OrtProgram:
             except QnnInspectError as e:
                 raise OrtBackendError(f"{self.path}: QNN context {key} cannot be read ({e}); export it again") from None
             share = len(users) > 1
-            scratch_root = cache_home() / "ort-contexts"
-            scratch_root.mkdir(parents=True, exist_ok=True)
+            scratch_root = scratch_folder()
             with tempfile.TemporaryDirectory(prefix="context-", dir=scratch_root, ignore_cleanup_errors=True) as tmp:
                 scratch = Path(tmp)
                 with open(scratch / _CONTEXT_FILE, "wb") as f:
@@ -297,6 +297,24 @@ class OrtProgram:
         """Free the sessions (and with them the QNN contexts) and unmap the file."""
         self.methods.clear()
         self._sessions.clear()
+
+
+SCRATCH_MAX_AGE_S = 24 * 3600  # a load takes minutes: an older scratch folder is one a crashed load left behind
+
+
+def scratch_folder() -> Path:
+    """Where contexts are written while they load (created); a scratch folder older than `SCRATCH_MAX_AGE_S` (a load
+    that crashed, or a file the platform kept open: deletion is best-effort) is removed first, so they cannot pile up."""
+    root = cache_home() / "ort-contexts"
+    root.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for old in root.glob("context-*"):
+        try:
+            if now - old.stat().st_mtime > SCRATCH_MAX_AGE_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # another process removed it first
+            pass
+    return root
 
 
 def _qnn_system() -> QnnSystem:
