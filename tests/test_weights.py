@@ -137,26 +137,45 @@ def test_folding_a_bf16_weight_makes_no_fp32_copy_of_it(scheme):
         """In a forked child: its peak RSS (ru_maxrss, exact: the kernel's high-water mark, not a sample) starts at its
         RSS at the fork, and the threads and children earlier tests left in this process add nothing to it. A fixed
         malloc mmap threshold: glibc's moving one let the freed chunks' memory stay in the heap for the next (the
-        same fold peaked 272-348 MB above its start in identical children, 209-211 MB with the threshold fixed)."""
+        same fold peaked 272-348 MB above its start in identical children, 209-211 MB with the threshold fixed).
+        A small fold first maps the library code the fold runs (21 MB of file pages measured alone; more when other
+        work on the machine has taken the parent's code pages back, as in a CI run beside another suite: 264 MB), so
+        that what is measured is the fold's own memory: the file pages it maps after that are returned and checked."""
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+        convert(warm_up)
+        file_kb = _status_kb("RssFile")
         start, (rss, _) = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resident_kb()
         assert start - rss < 8 << 10, (start, rss)  # the child's high-water mark starts at its RSS
         ours = convert(prepared)
         extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) / 1024
+        mapped = (_status_kb("RssFile") - file_kb) / 1024
         with torch.no_grad():
-            return ints(ours), ours(x), extra
+            return ints(ours), ours(x), extra, mapped
 
+    small = nn.Linear(1024, 256, bias=False)
+    small.weight = nn.Parameter(weight[:256].clone(), requires_grad=False)
+    warm_up = calibrated(UpcastLinear(small))
     prepared = calibrated(UpcastLinear(stored))
-    (got,), out, extra = run_forked(fold, "the fold")
+    (got,), out, extra, mapped = run_forked(fold, "the fold")
     theirs = convert(calibrated(reference))
     (want,) = ints(theirs)  # the weight's integers (not its zero points)
     assert got.shape == weight.shape and torch.equal(got, want)
-    # the integers (128 MB), one chunk's temporaries (16 MB each) and ~21 MB of library code the child maps: measured
-    # 197 / 211 MB (sampled in the test process with 64 MB chunks: 321 / 328 MB, and 778 / 1117 MB before the fold
-    # deferred the cast and skipped the packet-named dequantize); one fp32 copy of the weight alone is 512 MB
+    # the integers (128 MB) and one chunk's temporaries (16 MB each): measured 173 / 187 MB after the warm-up
+    # (197 / 211 MB before it, 21 MB of which the code it maps; sampled in the test process with 64 MB chunks: 321 /
+    # 328 MB, and 778 / 1117 MB before the fold deferred the cast and skipped the packet-named dequantize); one fp32
+    # copy of the weight alone is 512 MB
+    assert mapped < 8, f"the fold mapped {mapped:.1f} MB of files after the warm-up: its peak ({extra:.1f} MB) is not its own"
     assert extra < 128 + 128, extra
     with torch.no_grad():
         assert torch.equal(out, theirs(x))
+
+
+def _status_kb(field: str) -> int:
+    """A ``/proc/self/status`` field in kB (``RssFile``: the resident pages of mapped files)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
 
 def _mapping_rss_kb(tensor: torch.Tensor) -> int:
