@@ -209,10 +209,23 @@ def _add_variant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runner", help="ExecuTorch's qnn_llama_runner built for the device (default: $QNN_LLAMA_RUNNER)")
 
 
-def _load_variant(args: argparse.Namespace, speculative: str | None = None):
-    """The variant the arguments select; one without the ``speculative`` decoding asked for is refused first."""
+def _add_speculative_choice(parser: argparse.ArgumentParser) -> None:
+    """``--speculative`` of chat and serve: which variant to load where the artifact has one SoC, scheme and context
+    exported for several decodings (by default the fastest: the assistant's, else lookahead's, else plain)."""
+    parser.add_argument("--speculative", choices=["lookahead", "assistant"], default=None,
+                        help="load the variant exported for this decoding and decode with it (default: the "
+                        "artifact's variant with an assistant, else with lookahead, else the plain one)")
+
+
+def _load_variant(args: argparse.Namespace, speculative: str | None = None, fastest: bool = False):
+    """The variant the arguments select; one without the ``speculative`` decoding asked for is refused first.
+    ``fastest`` with no ``speculative``: among variants exported for several decodings, the fastest's."""
+    from optimum_qnn.artifacts.variants import AUTO_SPECULATIVE
     from optimum_qnn.host_memory import parse_max_memory
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    if fastest and speculative is None:
+        speculative = AUTO_SPECULATIVE
 
     options = {"runner": args.runner} if args.runner else {}
     return QNNModelForCausalLM.from_pretrained(
@@ -229,6 +242,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         "starts over, /exit or Ctrl-D quits, Ctrl-C stops the current reply and keeps the conversation.",
     )
     _add_variant_args(parser)
+    _add_speculative_choice(parser)
     parser.add_argument("--system", help="a system prompt (kept when old turns are dropped to fit the context)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help=f"per reply {_MAX_NEW_HELP}")
     _add_verbose(parser, also="a line of stats after each reply")
@@ -240,7 +254,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose):
-                model = _load_variant(args)
+                model = _load_variant(args, speculative=args.speculative, fastest=True)
                 options = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
                 chat = model.chat(args.system, **options)
         except OptimumQnnError as e:
@@ -263,6 +277,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "without max_tokens gets up to 256 new tokens, at most what the context leaves after the prompt.",
     )
     _add_variant_args(parser)
+    _add_speculative_choice(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     parser.add_argument("--api-key", default=None,
@@ -287,7 +302,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose):
-                model = _load_variant(args)
+                model = _load_variant(args, speculative=args.speculative, fastest=True)
                 tokenizer = model.tokenizer()  # requests are text: an artifact without one is refused here
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -238,6 +238,47 @@ def test_context_len_picks_among_variants_and_several_matches_are_refused():
         select_variant(index, "sm8650", "16a8w", None)
 
 
+def test_one_context_exported_for_several_decodings_is_chosen_by_the_decoding(caplog):
+    """Plain, ``-asst3`` and lookahead variants of one SoC, scheme and context: ``speculative`` picks among them
+    (None: plain; "auto", what chat and serve load: the assistant's), one line names the others, and several contexts
+    of each still go to the memory choice; a decoding no candidate has keeps them all for the caller's refusal."""
+    import logging
+
+    from optimum_qnn.artifacts.variants import AUTO_SPECULATIVE, MemoryFit, VariantNotFoundError, select_variant
+
+    def entry(ctx, mode="hybrid", draft=None):
+        tail = f"-asst{draft}" if draft else "" if mode == "hybrid" else "-lhd4w3g3"
+        e = {"soc": "SM8650", "quant": "16a8w", "context_len": ctx, "mode": mode, "path": f"qnn/sm8650/16a8w-ctx{ctx}{tail}"}
+        return {**e, "assistant": {"method": "draft_forward", "draft_len": draft}} if draft else e
+
+    index = {"variants": [entry(128), entry(128, draft=3), entry(128, "lookahead")]}
+    pick = lambda spec: select_variant(index, "SM8650", "16a8w", 128, speculative=spec)["path"]  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="optimum_qnn.stages"):
+        assert pick(None) == "qnn/sm8650/16a8w-ctx128"
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "optimum_qnn.stages"]
+    assert line == ("The variant for plain decoding; SM8650/16a8w/ctx128/hybrid/asst3 loads with speculative='assistant' "
+                    "(--speculative assistant); SM8650/16a8w/ctx128/lookahead loads with speculative='lookahead' "
+                    "(--speculative lookahead)")
+    assert pick("assistant") == pick(AUTO_SPECULATIVE) == "qnn/sm8650/16a8w-ctx128-asst3"
+    assert pick("lookahead") == "qnn/sm8650/16a8w-ctx128-lhd4w3g3"
+    without_assistant = {"variants": index["variants"][::2]}
+    assert select_variant(without_assistant, "SM8650", "16a8w", 128, speculative=AUTO_SPECULATIVE)["mode"] == "lookahead"
+    with pytest.raises(VariantNotFoundError, match="Several variants match"):
+        select_variant({"variants": [entry(128), entry(128, "kv")]}, "SM8650", "16a8w", 128, speculative="assistant")
+    # Two contexts of each decoding: the decoding first, then the context by memory.
+    both = {"variants": [entry(ctx, draft=d) for ctx in (128, 256) for d in (None, 3)]}
+    fit = MemoryFit(lambda e: e["context_len"] << 20, max_memory=1.0)
+    assert select_variant(both, "SM8650", "16a8w", None, fit=fit, speculative="assistant")["path"] == "qnn/sm8650/16a8w-ctx256-asst3"
+    assert select_variant(both, "SM8650", "16a8w", None, fit=fit)["path"] == "qnn/sm8650/16a8w-ctx256"
+
+
+def test_from_pretrained_refuses_an_unknown_speculative_before_anything(tmp_path):
+    from optimum_qnn.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"speculative must be None, 'auto' or one of: lookahead, assistant; got 'medusa'"):
+        QNNModelForCausalLM.from_pretrained(tmp_path / "nothing-here", speculative="medusa")
+
+
 def test_from_pretrained_with_a_context_len_no_variant_has(tmp_path, source, qnn_sdk):
     from optimum_qnn.runtime.modeling import VariantNotFoundError
 

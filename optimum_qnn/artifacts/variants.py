@@ -22,6 +22,9 @@ class VariantNotFoundError(OptimumQnnError):
     """No exported variant matches the requested SoC / quant scheme / context / cache layout."""
 
 
+# `select_variant(speculative=AUTO_SPECULATIVE)`: where one SoC, scheme, context and layout were exported for several
+# decodings, the assistant's, else lookahead, else plain (what `chat` and `serve` load by default)
+AUTO_SPECULATIVE = "auto"
 # `optimum_qnn.contract.CacheLayout`'s values, as the index spells them
 FULL_LAYOUT, RING_LAYOUT, BLOCKS_LAYOUT = "full", "ring", "blocks"
 LAYOUTS = (FULL_LAYOUT, RING_LAYOUT, BLOCKS_LAYOUT)
@@ -43,13 +46,27 @@ def describe(entry: dict[str, Any]) -> str:
     return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}{assistant}"
 
 
+def entry_speculative(entry: dict[str, Any]) -> str | None:
+    """The speculative decoding an index entry's variant was exported for: ``"assistant"`` (a drafter in its
+    program), ``"lookahead"`` (``--mode lookahead``), or None (plain decoding)."""
+    if entry.get("assistant"):
+        return "assistant"
+    return "lookahead" if entry.get("mode") == "lookahead" else None
+
+
 def select_variant(
     index: dict[str, Any], soc: str | None, quant: str | None, context_len: int | None,
     cache_layout: str | None = None, *, prefer_layout: str = FULL_LAYOUT, fit: "MemoryFit | None" = None,
+    speculative: str | None = None,
 ) -> dict[str, Any]:
     """The index entry matching the request (None matches anything); a miss lists what exists.
 
     Where the request leaves a choice:
+    - variants of the same SoC, scheme, context and layout exported for different decodings (plain, ``-asstK``,
+      lookahead): the one for ``speculative`` (``"assistant"``, ``"lookahead"``), and with None the plain one (a
+      variant built to verify several tokens a call pays for them on every plain call too), with
+      ``AUTO_SPECULATIVE`` the fastest there is; one line names the others and how to load them. A ``speculative`` no candidate was exported for keeps them all: the caller's
+      check refuses it with the fix;
     - the same SoC, scheme, context and mode in both cache layouts: the ``prefer_layout`` one (the in-process
       backends prefer the ring, which moves fewer bytes per call for the same output; ExecuTorch's C++ runner reads
       the full layout only);
@@ -68,6 +85,8 @@ def select_variant(
         if all(val is None or v.get(key) == val for key, val in want.items())
         and cache_layout in (None, entry_layout(v))
     ]
+    if len(hits) > 1:
+        hits = _speculative_choice(hits, speculative)
     if len(hits) > 1 and cache_layout is None:
         hits = _preferred_layout(hits, prefer_layout)
     if len(hits) > 1 and context_len is None and fit is not None and len({_but_context(v) for v in hits}) == 1:
@@ -97,7 +116,29 @@ def select_contexts(index: dict[str, Any], soc: str | None, quant: str | None) -
 
 def _but_context(entry: dict[str, Any]) -> tuple:
     """What variants that differ only in context share (after `_preferred_layout`, one layout per context)."""
-    return entry.get("soc"), entry.get("quant"), entry.get("mode")
+    return entry.get("soc"), entry.get("quant"), entry.get("mode"), entry_speculative(entry)
+
+
+def _speculative_choice(hits: list[dict[str, Any]], speculative: str | None) -> list[dict[str, Any]]:
+    """``hits`` less each variant whose twin of another decoding (same SoC, scheme, context, layout) is the one for
+    ``speculative`` (None: plain decoding). The variants set aside are named in one line, with how to load them."""
+    def twin(v: dict[str, Any]) -> tuple:
+        return v.get("soc"), v.get("quant"), v.get("context_len"), entry_layout(v)
+
+    if speculative == AUTO_SPECULATIVE:  # the first decoding a candidate was exported for, of this order
+        present = {entry_speculative(v) for v in hits}
+        speculative = next(kind for kind in ("assistant", "lookahead", None) if kind in present)
+    wanted = {twin(v) for v in hits if entry_speculative(v) == speculative}
+    kept = [v for v in hits if entry_speculative(v) == speculative or twin(v) not in wanted]
+    aside = [v for v in hits if v not in kept]
+    if aside:
+        how = "; ".join(
+            f"{describe(v)} loads with speculative={entry_speculative(v)!r} "
+            + (f"(--speculative {entry_speculative(v)})" if entry_speculative(v) else "(no --speculative)")
+            for v in aside
+        )
+        notice.info("The variant for %s decoding; %s", speculative or "plain", how)
+    return kept
 
 
 def _preferred_layout(hits: list[dict[str, Any]], prefer: str) -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, read_manifest, resolve_inside
 from optimum_qnn.artifacts.variants import (
-    FULL_LAYOUT, RING_LAYOUT, MemoryFit, VariantNotFoundError, memory_need_bytes, select_variant, verify_files,
+    AUTO_SPECULATIVE, FULL_LAYOUT, RING_LAYOUT, MemoryFit, VariantNotFoundError, memory_need_bytes, select_variant,
+    verify_files,
 )
 from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
@@ -31,7 +32,8 @@ from optimum_qnn.ops.arrays import like
 from optimum_qnn.runtime.assistant import assistant_of
 from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
-    RUNNER_OPTIONS, GenerationStats, Sampling, check_generate_args, check_selection, check_speculative, prompt_ids,
+    RUNNER_OPTIONS, SPECULATIVE, GenerationStats, Sampling, check_generate_args, check_selection, check_speculative,
+    prompt_ids,
 )
 from optimum_qnn.runtime.limits import limits_of
 from optimum_qnn.runtime.stops import text_stop_ids
@@ -113,12 +115,18 @@ class QNNModelForCausalLM:
                 ``"adb"`` / ``"adb:SERIAL"`` (that runner on a phone). ``device_options`` go to the runner backend
                 (`runtime.backends.runner.RunnerBackend`: ``runner``, ``qnn_sdk_root``, ``shared_buffer``).
             speculative: the speculative decoding the caller will ask `generate` for (``"lookahead"``,
-                ``"assistant"``): a variant without it is refused from its manifest, before its program is loaded.
+                ``"assistant"``): where the artifact has variants of the same SoC, scheme and context exported for
+                different decodings, the one for it (None: the plain one); a variant without it is refused from its
+                manifest, before its program is loaded. ``"auto"``: the assistant's variant if there is one, else
+                lookahead's, else plain (`default_speculative` then names its decoding: `chat` and `serve` use it).
         """
         if not isinstance(repo_or_dir, (str, Path)) or not str(repo_or_dir).strip():
             raise InvalidInputError(f"Expected an artifact folder or a Hub repo id; got {repo_or_dir!r}")
         check_selection(soc=soc, quant=quant, context_len=context_len, revision=revision, cache_layout=cache_layout,
                         max_memory=max_memory)
+        if speculative not in (None, AUTO_SPECULATIVE, *SPECULATIVE):
+            raise InvalidInputError(f"speculative must be None, {AUTO_SPECULATIVE!r} or one of: {', '.join(SPECULATIVE)}; "
+                                    f"got {speculative!r}")
         spec = DeviceSpec.parse(device)  # a bad name fails before any download
         prefer = RING_LAYOUT if spec.kind == "host" else FULL_LAYOUT
         if spec.kind == "host" and device_options:
@@ -141,12 +149,14 @@ class QNNModelForCausalLM:
             root = path
             index = read_index(root)
             fit = MemoryFit(lambda e: memory_need_bytes(read_manifest(resolve_inside(root, e["path"]))), max_memory)
-            entry = select_variant(index, soc, quant, context_len, cache_layout, prefer_layout=prefer, fit=fit)
+            entry = select_variant(index, soc, quant, context_len, cache_layout, prefer_layout=prefer, fit=fit,
+                                   speculative=speculative)
         else:
             from optimum_qnn.artifacts.hub import download_variant
 
             root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision,
-                                           cache_layout=cache_layout, prefer_layout=prefer, max_memory=max_memory)
+                                           cache_layout=cache_layout, prefer_layout=prefer, max_memory=max_memory,
+                                           speculative=speculative)
             blobs = root.parent.parent / "blobs"  # <cache>/models--org--name/snapshots/<sha>: files link into blobs/
             name = str(repo_or_dir).strip().rstrip("/").rsplit("/", 1)[-1]  # the repo's name, not the snapshot's sha
         if not (root / INDEX_NAME).is_file():
@@ -154,7 +164,8 @@ class QNNModelForCausalLM:
         variant = resolve_inside(root, entry["path"])
         manifest = read_manifest(variant)
         # Before the files are hashed and the program loaded: the manifest says what the variant can decode with.
-        check_speculative(speculative, speculative_kinds(manifest, in_process=spec.kind == "host"), variant.name)
+        if speculative != AUTO_SPECULATIVE:
+            check_speculative(speculative, speculative_kinds(manifest, in_process=spec.kind == "host"), variant.name)
         verify_files(variant, manifest, root=root, allowed_root=blobs)
         if soc is not None and manifest.target.soc != soc.upper():
             raise VariantNotFoundError(f"{variant} targets {manifest.target.soc}, not {soc}")
