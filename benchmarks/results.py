@@ -25,6 +25,7 @@ import e2b_width  # noqa: E402
 import io_bytes  # noqa: E402
 import peer  # noqa: E402
 import run  # noqa: E402
+import speculative  # noqa: E402
 import tiny_gemma4  # noqa: E402
 import weight_stats  # noqa: E402
 
@@ -204,7 +205,7 @@ def render(results: dict) -> str:
     text = (
         "# Benchmarks\n\n"
         f"Machine: {results['machine']}. Every figure below is rendered from a stored row (benchmarks/rows.json, "
-        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json, matrix.json, contexts.json) by benchmarks/results.py; a row's `commit` column is "
+        "e2b_full.json, e4b_full.json, phone_size.json, sensitivity_probe.json, chat_reuse.json, lowering_profile.json, multi_soc.json, matrix.json, contexts.json, speculative.json) by benchmarks/results.py; a row's `commit` column is "
         "the commit it was measured on (`not recorded`: measured before rows recorded it). "
         "Minutes per section (`make bench` runs all; `--sections` re-measures some and keeps the others' rows from "
         f"benchmarks/rows.json): {', '.join(f'{k} {v:.1f}' for k, v in minutes.items())}.\n\n"
@@ -264,6 +265,7 @@ def render(results: dict) -> str:
         + multi_soc_section(stored("multi_soc.json")) + matrix_section(stored("matrix.json"))
         + runtimes_section(stored("ort_vs_executorch.json"))
         + generate_section(stored("ort_vs_executorch_e2b.json")) + contexts.section(stored("contexts.json"))
+        + speculative.section(stored("speculative.json"))
         + IO_SECTION + io_bytes.table() + "\n"
     )
     return text

@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--note", default="", help="how the machine was shared while measuring, stored with the rows")
     args = parser.parse_args()
     import tiny_gemma4_assistant
 
@@ -131,7 +132,33 @@ def main() -> None:
               f"{r['drafter_calls']:>9}{r['decode_tokens_per_s']:>10.1f}{str(r['identical']):>6}"
               f"{r['sm8750_ms_per_token_estimate']:>22.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"prompts": len(prompts), "new_tokens": args.new_tokens, "rows": rows}, indent=2) + "\n")
+        from run import source_commit
+
+        args.json.write_text(json.dumps({"prompts": len(prompts), "new_tokens": args.new_tokens, "rows": rows,
+                                         "note": args.note, "commit": source_commit()}, indent=2) + "\n")
+
+
+def section(rows: dict) -> str:
+    """benchmarks/RESULTS.md's table of the three decodings (results.py renders it from speculative.json)."""
+    if not rows:
+        return ""
+    lines = [[r["mode"], f"{r['tokens_per_target_call']:.2f}", f"{100 / r['tokens_per_target_call']:.1f}",
+              str(r["drafter_calls"]), f"{r['decode_tokens_per_s']:.1f}", str(r["identical"]),
+              f"{r['sm8750_ms_per_token_estimate']:.1f}"] for r in rows["rows"]]
+    head = ["mode", "tokens per target call", "target calls / 100 tokens", "drafter calls", "emulator tok/s",
+            "= plain greedy", "SM8750 ms/token (estimate)"]
+    table = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n" + "".join(
+        "| " + " | ".join(line) + " |\n" for line in lines)
+    return (
+        "\n## Plain, lookahead and assistant decoding\n\n"
+        f"benchmarks/speculative.py: the demo model exported three ways ({' '.join(COMMON)}; lookahead N 4 W 3 G 3; "
+        f"the demo's distilled assistant, --draft-len 3), host:onnxruntime on the x86 HTP emulator, "
+        f"{rows['prompts']} held-out prompts x {rows['new_tokens']} greedy tokens, each checked against plain greedy "
+        f"of its own variant. {rows.get('note', '')} Commit {rows.get('commit', 'not recorded')}. The SM8750 column "
+        "is an **estimate**: full-size Gemma-4-E2B's default-context decode call (its weights and caches at 84.8 GB/s, "
+        "contexts.json) per target call, plus 78 MB (the E2B assistant at 8 bits, itself an estimate) per drafter call, "
+        "over the tokens per target call measured here.\n\n" + table
+    )
 
 
 if __name__ == "__main__":
