@@ -142,8 +142,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                          help="a Gemma 4 assistant (MTP drafter, e.g. google/gemma-4-e2b-it-assistant) for the target: "
                               "checked against it (vocabulary, width, attention heads) before any work, quantized "
                               "with the target's scheme and lowered into the target's variant as its method "
-                              "draft_forward; the target's decode call then verifies K drafts (hybrid mode; quantized "
-                              "schemes need --float-io for now; docs/assistant.md)")
+                              "draft_forward; the target's decode call then verifies K drafts (hybrid mode; "
+                              "docs/assistant.md)")
     src_grp.add_argument("--draft-len", type=int, default=None, metavar="K",
                          help=f"--assistant: drafts per round (default: {DEFAULT_DRAFT_LEN}); kv_forward takes K + 1 "
                               "tokens (the last accepted one and the K drafts)")

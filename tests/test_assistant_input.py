@@ -66,8 +66,7 @@ def test_a_target_checkpoint_as_assistant_is_refused(demo_model_dir, tmp_path, c
     (["--assistant", "A", "--draft-len", "15"], "--draft-len 15 verifies 16 tokens a call, which must be fewer than "
                                                 "--prefill-ar-len (16)"),
     (["--assistant", "A", "--draft-len", "0"], "--draft-len must be an integer >= 1; got 0"),
-    (["--assistant", "A", "--quant", "16a8w"], "--assistant with a quantized scheme needs --float-io for now"),
-], ids=["draft-len-alone", "kv-mode", "lookahead-mode", "verify-past-prefill", "zero", "integer-io"])
+], ids=["draft-len-alone", "kv-mode", "lookahead-mode", "verify-past-prefill", "zero"])
 def test_assistant_flags_that_cannot_work_are_refused_before_any_work(flags, match, demo_model_dir, tmp_path, capsys,
                                                                      no_weights_read):
     refused(capsys, demo_model_dir, tmp_path, *HYBRID, *flags, match=match)

@@ -153,8 +153,13 @@ def target_encodings(spec: MethodSpec, target: RunnerContract) -> dict[str, tupl
 
 def set_input_observers(prepared: torch.fx.GraphModule, spec: MethodSpec,
                         encodings: dict[str, tuple[float, int, str]]) -> None:
-    """Set the observer after each named input placeholder to the range whose encoding is ``encodings[name]``."""
-    from torchao.quantization.pt2e.observer import MinMaxObserver, _is_activation_post_process
+    """Set the observer after each named input placeholder to the range whose encoding is ``encodings[name]``.
+
+    Raises:
+        RuntimeError: an input without exactly one min/max observer, or one whose range is not unsigned (a graph input
+            read straight by a matmul takes its symmetric int16 encoding: `StaticGemma4Assistant` adds `+ 0.0` first).
+    """
+    from torchao.quantization.pt2e.observer import _is_activation_post_process
 
     placeholders = [n for n in prepared.graph.nodes if n.op == "placeholder"]
     for t, node in zip(spec.inputs, placeholders):
@@ -163,16 +168,9 @@ def set_input_observers(prepared: torch.fx.GraphModule, spec: MethodSpec,
         scale, zero_point, _ = encodings[t.name]
         users = [prepared.get_submodule(u.target) for u in node.users if u.op == "call_module"]
         observers = [m for m in users if _is_activation_post_process(m)]
-        if len(observers) != 1 or not hasattr(observers[0], "min_val"):
-            raise RuntimeError(f"{spec.name}: expected one min/max observer on input {t.name}, found {observers}")
+        if len(observers) != 1 or not hasattr(observers[0], "min_val") or observers[0].quant_min != 0:
+            raise RuntimeError(f"{spec.name}: expected one unsigned min/max observer on input {t.name}, found {observers}")
         obs = observers[0]
-        if obs.quant_min != 0:
-            # QnnQuantizer gives a cache read straight by a matmul (no cat with new K/V, as in the target) a symmetric
-            # int16 encoding; the target's buffer is asymmetric uint16, which the HTP's matmul takes too (the target's).
-            target = next(u.target for u in node.users if u.op == "call_module" and prepared.get_submodule(u.target) is obs)
-            obs = MinMaxObserver(dtype=torch.int32, quant_min=0, quant_max=torch.iinfo(torch.uint16).max,
-                                 qscheme=torch.per_tensor_affine)
-            prepared.set_submodule(target, obs)
         obs.min_val = torch.tensor((obs.quant_min - zero_point) * scale)
         obs.max_val = torch.tensor((obs.quant_max - zero_point) * scale)
 
@@ -210,8 +208,12 @@ def with_drafter(contract: RunnerContract, drafter: StaticDrafter) -> RunnerCont
 
 
 def float_outputs(contract: RunnerContract) -> dict[str, tuple[int, ...]]:
-    """Method name -> output positions that stay float32 with integer IO (`quantization.io.FLOAT_OUTPUTS`)."""
-    return {m.name: float_output_positions(m) for m in contract.methods if any(t.name in FLOAT_OUTPUTS for t in m.outputs)}
+    """Method name -> output positions that stay float32 with integer IO: the target's ``hidden``
+    (`quantization.io.FLOAT_OUTPUTS`) and both of the drafter's outputs, which its manifest entry records as float32
+    (`deployed_draft_method`; its logits had come out uint16 unrecorded: -105 dB against its graph, read as floats)."""
+    positions = {m.name: float_output_positions(m) for m in contract.methods
+                 if any(t.name in FLOAT_OUTPUTS for t in m.outputs)}
+    return positions | {DRAFT_METHOD: tuple(range(len(contract.method(DRAFT_METHOD).outputs)))}
 
 
 def quantize_for_export(drafter: StaticDrafter, program, config: ExportConfig, tokenizer, texts,

@@ -63,10 +63,6 @@ def check_draft_len(config: ExportConfig) -> None:
     if config.mode is not ExportMode.HYBRID:
         raise InvalidInputError(f"--assistant builds on the hybrid mode (prefill + a verify call of K + 1 tokens); "
                                 f"not --mode {config.mode.value}: drop --mode")
-    if config.quant.is_quantized and not config.float_io:
-        raise InvalidInputError(  # measured on the tiny pair: docs/assistant.md#export
-            "--assistant with a quantized scheme needs --float-io for now: with uint16 graph IO the drafter lowers "
-            "into another number of QNN partitions than the target, which ExecuTorch refuses; add --float-io")
     if k + 1 >= shapes.prefill_ar_len or (shapes.max_seq_len is not None and k + 1 >= shapes.max_seq_len):
         raise InvalidInputError(
             f"--draft-len {k} verifies {k + 1} tokens a call, which must be fewer than --prefill-ar-len "

@@ -157,7 +157,11 @@ class StaticGemma4Assistant(nn.Module):
         h = self.pre_projection(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))
         rope = {kind: self.rope(input_pos, kind) for kind in dict.fromkeys(self.kinds)}
         masks = {AttentionKind.FULL: atten_mask, AttentionKind.SLIDING: sliding_atten_mask}
-        kv = {AttentionKind.FULL: (k_full, v_full), AttentionKind.SLIDING: (k_sliding, v_sliding)}
+        # `+ 0.0`: the caches are graph inputs, and a graph input must not feed a matmul directly (as in the blocks
+        # layout, `modules.py`): a quantized drafter's matmul gives its operand a symmetric int16 encoding, which the
+        # target's uint16 buffer does not have, and the HTP's MatMul takes no other (docs/assistant.md#export).
+        kv = {AttentionKind.FULL: (k_full + 0.0, v_full + 0.0),
+              AttentionKind.SLIDING: (k_sliding + 0.0, v_sliding + 0.0)}
         for kind, layer in zip(self.kinds, self.layers):
             cos, sin = rope[kind]
             h = layer(h, None, cos, sin, masks[kind], *kv[kind])[0]
