@@ -230,12 +230,12 @@ def main() -> int:
         bad = [layout for layout in args.layouts if layout != "full" and not layout.removeprefix("blocks").isdigit()]
         if bad:
             parser.error(f"unknown layout {bad[0]!r}; expected full or blocksN (e.g. blocks128)")
+        commit = _commit()  # the code that runs, before the first stored row makes the tree dirty
         for row in emulator_rows(args.contexts, args.calls, args.work, args.layouts):
-            row["commit"] = _commit()
+            row["commit"] = commit
             if args.note:
                 row["note"] = args.note
-            key = str(row["context"]) + ("" if row["layout"] == "full" else f" {row['layout']}")
-            _store("emulator", key, row)
+            _store("emulator", f"{row['context']} {row['layout']}", row)
     print(section(_load()))
     return 0
 
