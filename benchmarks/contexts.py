@@ -17,6 +17,7 @@ weights' own read (the HTP contexts' bytes, read once per step) is what the tabl
 Run the exports alone (each needs most of the machine's memory for 10-20 min):
     python benchmarks/contexts.py export --model e2b --context 4096   # or 'default': no --max-seq-len
     python benchmarks/contexts.py emulator --contexts 128 256 512 1024
+    python benchmarks/contexts.py emulator --contexts 256 512 1024 --layouts full blocks128 blocks256
     python benchmarks/contexts.py render
 """
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -110,20 +112,25 @@ def export_row(model: str, context: str, extra: list[str], memory_limit: float, 
     return row
 
 
-def emulator_rows(contexts: list[int], calls: int, work: Path) -> list[dict]:
-    """The demo variant at each context, its decode and prefill calls timed on the x86 HTP emulator through the
-    onnxruntime backend (benchmarks/ort_vs_executorch.child: random runner-contract inputs, the median of ``calls``)."""
+def emulator_rows(contexts: list[int], calls: int, work: Path, layouts: list[str]) -> Iterator[dict]:
+    """The demo variant at each context and cache layout (``full``, or ``blocksN``: blocks of N slots; none as long
+    as the context), its decode and prefill calls timed on the x86 HTP emulator through the onnxruntime backend
+    (benchmarks/ort_vs_executorch.child: random runner-contract inputs, the median of ``calls``), one row at a time."""
     import ort_vs_executorch
 
-    rows = []
     for context in contexts:
-        variant = ort_vs_executorch.build_demo_variant(work / f"demo-{context}", context)
-        timed = ort_vs_executorch.child("onnxruntime", variant, {"kv_forward": calls, "prefill_forward": max(3, calls // 4)})
-        row = {"context": context, "decode_s": timed["methods"]["kv_forward"]["median_s"],
-               "prefill_s": timed["methods"]["prefill_forward"]["median_s"], "calls": calls}
-        rows.append(row)
-        print(f"context {context}: prefill {row['prefill_s']:.3f} s/call, decode {row['decode_s']:.4f} s/call", flush=True)
-    return rows
+        for layout in layouts:
+            block_len = None if layout == "full" else int(layout.removeprefix("blocks"))
+            if block_len is not None and block_len >= context:
+                continue
+            folder = f"demo-{context}" + ("" if block_len is None else f"-blocks{block_len}")
+            variant = ort_vs_executorch.build_demo_variant(work / folder, context, block_len)
+            timed = ort_vs_executorch.child("onnxruntime", variant, {"kv_forward": calls, "prefill_forward": max(3, calls // 4)})
+            row = {"context": context, "layout": layout, "decode_s": timed["methods"]["kv_forward"]["median_s"],
+                   "prefill_s": timed["methods"]["prefill_forward"]["median_s"], "calls": calls}
+            print(f"context {context} {layout}: prefill {row['prefill_s']:.3f} s/call, decode {row['decode_s']:.4f} s/call",
+                  flush=True)
+            yield row
 
 
 def _mib(n) -> str:
@@ -184,10 +191,13 @@ def section(rows: dict) -> str:
     emulator = rows.get("emulator", {})
     if emulator:
         lines += ["", "The demo model (16a8w, weights not shared) on the x86 HTP emulator through the onnxruntime "
-                  "backend, the median seconds per call (prefill: 16 tokens a call):", "",
-                  "| context | prefill s/call | decode s/call | commit |", "|---|---|---|---|"]
-        for key, r in emulator.items():
-            lines.append(f"| {r['context']} | {r['prefill_s']:.3f} | {r['decode_s']:.4f} | {r['commit']} |")
+                  "backend, the median seconds per call (prefill: 16 tokens a call), by cache layout (`blocksN`: "
+                  "each full-attention cache in inputs of N slots; the sliding layers' ring of 16 either way). Rows "
+                  "with a note were measured beside other work on a shared 2-core host: compare rows of one commit.", "",
+                  "| context | layout | prefill s/call | decode s/call | commit | note |", "|---|---|---|---|---|---|"]
+        for r in sorted(emulator.values(), key=lambda r: (r["context"], r.get("layout", "full") != "full", r.get("layout", ""))):
+            lines.append(f"| {r['context']} | {r.get('layout', 'full')} | {r['prefill_s']:.3f} | {r['decode_s']:.4f} "
+                         f"| {r['commit']} | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -206,6 +216,8 @@ def main() -> int:
     e.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024])
     e.add_argument("--calls", type=int, default=20)
     e.add_argument("--work", type=Path, default=Path("/tmp/contexts-demo"))
+    e.add_argument("--layouts", nargs="+", default=["full"], help="cache layouts: full, or blocksN (blocks of N slots)")
+    e.add_argument("--note", help="what the rows should say beside them (e.g. what else ran then)")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.command == "export":
@@ -215,9 +227,15 @@ def main() -> int:
         key = f"{args.model}@{args.context}" + (" " + " ".join(args.extra) if args.extra else "")
         _store("exports", key, row)
     elif args.command == "emulator":
-        for row in emulator_rows(args.contexts, args.calls, args.work):
-            row["commit"] = _commit()
-            _store("emulator", str(row["context"]), row)
+        bad = [layout for layout in args.layouts if layout != "full" and not layout.removeprefix("blocks").isdigit()]
+        if bad:
+            parser.error(f"unknown layout {bad[0]!r}; expected full or blocksN (e.g. blocks128)")
+        commit = _commit()  # the code that runs, before the first stored row makes the tree dirty
+        for row in emulator_rows(args.contexts, args.calls, args.work, args.layouts):
+            row["commit"] = commit
+            if args.note:
+                row["note"] = args.note
+            _store("emulator", f"{row['context']} {row['layout']}", row)
     print(section(_load()))
     return 0
 

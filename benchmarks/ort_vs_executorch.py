@@ -33,8 +33,9 @@ sys.path.insert(0, str(REPO))
 RUNTIMES = ("onnxruntime", "executorch")
 
 
-def build_demo_variant(work: Path, context: int = 128) -> Path:
-    """The demo model exported like `examples/demo.py`, at ``context`` (reused when --work already holds it)."""
+def build_demo_variant(work: Path, context: int = 128, block_len: int | None = None) -> Path:
+    """The demo model exported like `examples/demo.py`, at ``context`` (reused when --work already holds it); with
+    ``block_len``, in the blocks cache layout with blocks of that many slots."""
     found = sorted(work.glob("artifact/qnn/*/*/manifest.json"))
     if found:
         return found[0].parent
@@ -42,6 +43,7 @@ def build_demo_variant(work: Path, context: int = 128) -> Path:
     import tiny_gemma4
 
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.contract import CacheLayout
     from optimum_qnn.exporter.pipeline import export
     from optimum_qnn.quantization.calibration import CalibrationSource
 
@@ -53,7 +55,8 @@ def build_demo_variant(work: Path, context: int = 128) -> Path:
     calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
     config = ExportConfig(
         socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.HYBRID,
-        shapes=ShapeConfig(max_seq_len=context, prefill_ar_len=16), embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
+        shapes=ShapeConfig(max_seq_len=context, prefill_ar_len=16, cache_block_len=block_len,
+                           cache_layout=None if block_len is None else CacheLayout.BLOCKS), embedding_quant=EmbeddingQuant(8, 0, symmetric=False),
         weight_sharing=False,
     )
     return export(model_dir, work / "artifact", config, calibration=CalibrationSource(file=calib, limit=16)).variants[0]

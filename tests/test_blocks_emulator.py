@@ -1,10 +1,21 @@
-"""The blocks cache layout exported and run on the x86 HTP emulator: the same greedy tokens as the full layout,
-through both in-process backends (ExecuTorch's Python runtime and onnxruntime-qnn).
+"""The blocks cache layout exported and run on the x86 HTP emulator against the full layout, through both in-process
+backends (ExecuTorch's Python runtime and onnxruntime-qnn): fp16 gives the same greedy tokens, 16a8w the same
+teacher-forced argmax at >= 95 % of positions and logits SQNR >= 60 dB.
 
-The window-7 demo model (tests/conftest.py `window7_model_dir`), fp16, context 64, prefill chunks of 8, blocks forced
+The window-7 demo model (tests/conftest.py `window7_model_dir`), context 64, prefill chunks of 8, blocks forced
 to 16 slots (`ShapeConfig.cache_block_len`): each full-attention cache is four inputs (16, 16, 16, 15 slots in the
 decode graph; 16, 16, 16, 8 in the prefill graph), the sliding layers keep their ring of 7. The 24-token prompt spans
 a block boundary and three prefill chunks; 16 generated tokens cross the next boundary.
+
+16a8w keeps integer IO (uint16 caches), calibrated as the full layout's export it is compared with (the shared
+`window7_export` fixture, which tests/test_window_chunks.py also runs): every block of a cache shares its first
+block's observer (`tie_cache_observers`), so the blocks hold the values the full layout's one cache input holds. The
+two graphs still round differently (`blocked_gqa` quantizes each block's scores and each block's share of the output
+on their own, where the full layout has one matmul of each), so 16a8w is compared teacher-forced, not by greedy
+tokens. Measured: through host:executorch the 24-token prompt's 16th greedy token differed (88 against 484, the 15
+before it equal); through host:onnxruntime the argmax agreed at 0.975 of the 40 teacher-forced positions of that
+prompt and at all 26 of the 10-token prompt's, logits SQNR 68.6 and 66.1 dB. Bounds: argmax agreement >= 0.95,
+SQNR >= 60 dB (the bound of the other emulator conformance tests).
 """
 
 from __future__ import annotations
@@ -12,46 +23,51 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, CacheLayout
+from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD
+from optimum_qnn.metrics import sqnr_db
 from optimum_qnn.runtime.modeling import QNNModelForCausalLM
-from tests.conftest import WINDOW7, WINDOW7_CTX
+from tests.conftest import WINDOW7
 from tests.test_window_chunks import PROMPTS
 
-BLOCK = 16
+BLOCK, AR = 16, 8
 
 
-@pytest.fixture(scope="session")
-def blocks_export(window7_model_dir, tmp_path_factory, qnn_sdk):
-    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
-    from optimum_qnn.exporter.pipeline import export
-
-    out = tmp_path_factory.mktemp("window7-blocks")
-    config = ExportConfig(
-        socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.HYBRID,
-        shapes=ShapeConfig(WINDOW7_CTX, 8, cache_layout=CacheLayout.BLOCKS, cache_block_len=BLOCK),
-        embedding_quant=EmbeddingQuant(0, 0), weight_sharing=False,
-    )
-    result = export(window7_model_dir, out, config)
-    assert [v.relative_to(out).as_posix() for v in result.variants] == ["qnn/sm8650/fp16-ctx64-blocks"]
-    return out
-
-
+@pytest.mark.parametrize("quant", ["fp16", "16a8w"])
 @pytest.mark.parametrize("device", ["host:executorch", "host:onnxruntime"])
-def test_blocks_variant_generates_the_full_layouts_tokens(blocks_export, window7_export, device):
-    blocks = QNNModelForCausalLM.from_pretrained(blocks_export, device=device)
-    full = QNNModelForCausalLM.from_pretrained(window7_export("fp16", 8), device=device)
+def test_blocks_variant_matches_the_full_layout(window7_export, quant, device):
+    out = window7_export(quant, AR, BLOCK)
+    assert [p.parent.relative_to(out).as_posix() for p in out.glob("qnn/*/*/manifest.json")] == [
+        f"qnn/sm8650/{quant}-ctx64-blocks"]
+    blocks = QNNModelForCausalLM.from_pretrained(out, device=device)
+    full = QNNModelForCausalLM.from_pretrained(window7_export(quant, AR), device=device)
     contract = blocks.contract
     assert blocks.manifest.contract.cache_layout == "blocks" and blocks.manifest.contract.block_len == BLOCK
     assert contract.ring_len == WINDOW7
     layer = next(l for l in contract.cache_layers if contract.is_blocked(l))
     for method, last in ((DECODE_METHOD, 15), (PREFILL_METHOD, 8)):
-        shapes = {t.name: t.shape for t in contract.method(method).inputs}
-        assert [shapes[f"k_cache_{layer.index}_block{b}"][-1] for b in range(4)] == [16, 16, 16, last]
-        assert f"k_cache_{layer.index}" not in shapes
+        inputs = {t.name: t for t in contract.method(method).inputs}
+        assert [inputs[f"k_cache_{layer.index}_block{b}"].shape[-1] for b in range(4)] == [16, 16, 16, last]
+        assert f"k_cache_{layer.index}" not in inputs
+        if quant == "16a8w":  # integer IO: the blocks are uint16, as the full layout's cache is
+            assert {str(inputs[f"v_cache_{layer.index}_block{b}"].dtype) for b in range(4)} == {"uint16"}
     for n in (24, 10):
         prompt = torch.tensor(PROMPTS[n])
-        got = blocks.generate(prompt, max_new_tokens=16, eos_token_id=[])[0, n:].tolist()
-        want = full.generate(prompt, max_new_tokens=16, eos_token_id=[])[0, n:].tolist()
-        print(f"{device} prompt {n}: blocks {got} full {want}")
-        assert len(got) == 16 and got == want
+        want = full.generate(prompt, max_new_tokens=16, eos_token_id=[])[0]
+        if quant == "fp16":
+            got = blocks.generate(prompt, max_new_tokens=16, eos_token_id=[])[0, n:].tolist()
+            print(f"{quant} {device} prompt {n}: blocks {got} full {want[n:].tolist()}")
+            assert len(got) == 16 and got == want[n:].tolist()
+            continue
+        # Teacher-forced: both read the full layout's tokens (prefill of the prompt, then decode one at a time).
+        got_logits, want_logits = _step_logits(blocks, want, n), _step_logits(full, want, n)
+        agree = (got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean().item()
+        sqnr = sqnr_db(got_logits, want_logits)
+        print(f"{quant} {device} prompt {n}: argmax agreement {agree:.3f} over {len(want)} positions, SQNR {sqnr:.1f} dB")
+        assert agree >= 0.95 and sqnr >= 60
 
+
+def _step_logits(model: QNNModelForCausalLM, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The logits of every position of ``ids``: the prompt in one feed (prefill chunks), the rest one by one."""
+    session = model.backend.session
+    session.reset()
+    return torch.cat([session.feed(ids[:prompt_len])] + [session.feed(ids[t : t + 1]) for t in range(prompt_len, len(ids))])
