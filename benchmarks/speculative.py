@@ -147,8 +147,9 @@ def section(rows: dict) -> str:
               f"{r['sm8750_ms_per_token_estimate']:.1f}"] for r in rows["rows"]]
     head = ["mode", "tokens per target call", "target calls / 100 tokens", "drafter calls", "emulator tok/s",
             "= plain greedy", "SM8750 ms/token (estimate)"]
-    table = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n" + "".join(
-        "| " + " | ".join(line) + " |\n" for line in lines)
+    from results import markdown  # results.py imports this module: by the time it renders, it is loaded
+
+    table = markdown(head, lines) + "\n"
     return (
         "\n## Plain, lookahead and assistant decoding\n\n"
         f"benchmarks/speculative.py: the demo model exported three ways ({' '.join(COMMON)}; lookahead N 4 W 3 G 3; "

@@ -122,14 +122,11 @@ def _but_context(entry: dict[str, Any]) -> tuple:
 def _speculative_choice(hits: list[dict[str, Any]], speculative: str | None) -> list[dict[str, Any]]:
     """``hits`` less each variant whose twin of another decoding (same SoC, scheme, context, layout) is the one for
     ``speculative`` (None: plain decoding). The variants set aside are named in one line, with how to load them."""
-    def twin(v: dict[str, Any]) -> tuple:
-        return v.get("soc"), v.get("quant"), v.get("context_len"), entry_layout(v)
-
     if speculative == AUTO_SPECULATIVE:  # the first decoding a candidate was exported for, of this order
         present = {entry_speculative(v) for v in hits}
         speculative = next(kind for kind in ("assistant", "lookahead", None) if kind in present)
-    wanted = {twin(v) for v in hits if entry_speculative(v) == speculative}
-    kept = [v for v in hits if entry_speculative(v) == speculative or twin(v) not in wanted]
+    kept = _prefer(hits, entry_speculative, speculative,
+                   lambda v: (v.get("soc"), v.get("quant"), v.get("context_len"), entry_layout(v)))
     aside = [v for v in hits if v not in kept]
     if aside:
         how = "; ".join(
@@ -143,11 +140,14 @@ def _speculative_choice(hits: list[dict[str, Any]], speculative: str | None) -> 
 
 def _preferred_layout(hits: list[dict[str, Any]], prefer: str) -> list[dict[str, Any]]:
     """``hits`` less each variant whose twin in the other layout (same SoC, scheme, context, mode) is ``prefer``."""
-    def twin(v: dict[str, Any]) -> tuple:
-        return v.get("soc"), v.get("quant"), v.get("context_len"), v.get("mode")
+    return _prefer(hits, entry_layout, prefer, lambda v: (v.get("soc"), v.get("quant"), v.get("context_len"), v.get("mode")))
 
-    preferred = {twin(v) for v in hits if entry_layout(v) == prefer}
-    return [v for v in hits if entry_layout(v) == prefer or twin(v) not in preferred]
+
+def _prefer(hits: list[dict[str, Any]], kind: Callable[[dict[str, Any]], Any], wanted: Any,
+            twin: Callable[[dict[str, Any]], tuple]) -> list[dict[str, Any]]:
+    """``hits`` less each variant of another ``kind`` than ``wanted`` whose twin (the same ``twin`` key) is of it."""
+    preferred = {twin(v) for v in hits if kind(v) == wanted}
+    return [v for v in hits if kind(v) == wanted or twin(v) not in preferred]
 
 
 def memory_need_bytes(manifest: Manifest) -> int:
