@@ -12,7 +12,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -76,13 +76,16 @@ class LoadedProgram:
         return self._held[0]
 
     @classmethod
-    def get(cls, path: Path, facts: "ProgramFacts") -> "LoadedProgram":
-        """The live program of ``path``'s content (``facts.sha256``), or a fresh load of it."""
+    def get(cls, path: Path, facts: "ProgramFacts", load_bytes: Callable[[], int] | None = None) -> "LoadedProgram":
+        """The live program of ``path``'s content (``facts.sha256``), or a fresh load of it; ``load_bytes`` gives the
+        HTP memory its contexts need (`inspection.program_load_bytes`), checked on the emulator before a load."""
         check_host_can_run(facts.weight_sharing, str(path))  # before the cache: a live copy does not make it loadable
         with cls._live_lock:
             loaded = cls._live.get(facts.sha256)
             if loaded is None:
                 check_emulator_can_add(facts.htp_arch, [live.htp_arch for live in cls._live.values()], str(path))
+                if load_bytes is not None and is_emulator_host():
+                    check_emulator_can_hold(load_bytes(), str(path))
                 with quiet_runtime():  # the QNN backend prints a dozen INFO lines as it opens the program's contexts
                     loaded = cls(load_program(path, facts), facts.method_names, facts.htp_arch)
                 cls._live[facts.sha256] = loaded
@@ -170,6 +173,27 @@ def check_emulator_can_add(htp_arch: int, live_archs: Sequence[int], what: str,
             f"{', '.join(f'v{a}' for a in older)} is loaded in this process (QNN: lack of HMX threads). Load the "
             f"v{htp_arch} variant first, free the older models before loading it, use device=\"host:onnxruntime\", "
             "or run one process per SoC."
+        )
+
+
+# The x86 emulator places every context in one protection domain ("Router.X86 does not support multi-PD; using single
+# PD"), and refuses a context that does not fit what is left ("Failed to find available PD for contextId 3 ... with
+# context size estimate 1289034496", QNN error 1002; onnxruntime-qnn reports QNN_COMMON_ERROR_MEM_ALLOC). Measured
+# with full-size Gemma-4-E2B at 32768 tokens, --no-weight-sharing: two contexts of ~3.12 GB placed, "available space
+# 493532057" left, so the domain holds ~3.6 GB. On a Snapdragon, QNN spreads contexts over several domains.
+EMULATOR_PD_BYTES = 3_600_000_000
+
+
+def check_emulator_can_hold(load_bytes: int, what: str, machine: str | None = None) -> None:
+    """Refuse, before loading, a program whose contexts need more HTP memory (``load_bytes``: the graphs' constants,
+    IO, spill-fill and op data, `inspection.graph_load_bytes`) than the x86 emulator's one protection domain holds."""
+    if load_bytes > EMULATOR_PD_BYTES and is_emulator_host(machine):
+        raise OptimumQnnError(
+            f"{what} needs about {load_bytes / 1e9:.1f} GB of HTP memory (its graphs' constants, IO and spill-fill), "
+            f"more than the x86 HTP emulator holds (one protection domain of about {EMULATOR_PD_BYTES / 1e9:.1f} GB; "
+            "QNN would fail it with a memory allocation error). For the emulator, export it with --mode kv (one "
+            "graph per context: about half) or a smaller --max-seq-len; on a Snapdragon device QNN spreads the "
+            "contexts over several protection domains."
         )
 
 

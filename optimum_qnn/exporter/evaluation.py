@@ -100,10 +100,12 @@ def evaluate_variant(
 def staged_session(folder: Path, manifest) -> KVSession:
     """A KV session over a variant's .pte (staged or in place) in ExecuTorch's Python runtime, as the host backend
     runs it (`program.LoadedProgram`), without the runtime wing."""
+    from optimum_qnn.artifacts.inspection import program_load_bytes
     from optimum_qnn.artifacts.manifest import resolve_inside
     from optimum_qnn.program import ExecClock, LoadedProgram, ProgramFacts, TimedMethod
 
-    loaded = LoadedProgram.get(resolve_inside(folder, manifest.program.path), ProgramFacts.of(manifest))
+    pte = resolve_inside(folder, manifest.program.path)
+    loaded = LoadedProgram.get(pte, ProgramFacts.of(manifest), load_bytes=lambda: program_load_bytes(pte))
     clock = ExecClock()
     contract = manifest.runner_contract()
     return KVSession(contract, {m.name: TimedMethod(loaded, m.name, clock) for m in contract.methods})

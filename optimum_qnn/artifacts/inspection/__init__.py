@@ -31,7 +31,7 @@ from optimum_qnn.artifacts.inspection.qnn_system import BinaryInfo, Encoding, Qn
 from optimum_qnn.artifacts.manifest import Inspection, QnnContext, QnnGraph, QnnTensor, SharingCheck
 
 __all__ = [
-    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds",
+    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds", "graph_load_bytes", "program_load_bytes",
     "SharingCheck", "export_time_inspection", "inspect_bytes", "inspect_pte", "manifest_inspection",
 ]
 
@@ -119,6 +119,15 @@ def _htp_graph_sizes(blob: bytes) -> _HtpGraphSizes:
     return _HtpGraphSizes(const, shared, spill, io, op_data)
 
 
+def graph_load_bytes(blob: bytes) -> int:
+    """The HTP memory QNN reserves for one graph when it loads its context, from the graph's info blob: its own
+    constants, IO tensors, spill-fill buffer and op data (QNN's own estimate, printed at verbose level, counts the
+    same constants, IO and spill-fill and a "runlist" of 1.6x the op data on Gemma-4-E2B's graphs: within 1 % of
+    this). Weights shared between graphs are not counted (the emulator cannot load such contexts)."""
+    sizes = _htp_graph_sizes(blob)
+    return sum(n or 0 for n in (sizes.const, sizes.io, sizes.spill_fill, sizes.op_data))
+
+
 def _htp_arch(metadata: bytes) -> int | None:
     """The DSP arch from HTP context metadata (`QnnHtpSystemContext_ContextBlobInfo_t` v1), or None."""
     if len(metadata) >= 8 and struct.unpack_from("<I", metadata)[0] == 1:
@@ -148,16 +157,29 @@ def _context(delegates: list[QnnDelegate], info: BinaryInfo) -> ContextReport:
     )
 
 
-def inspect_bytes(data: bytes | mmap.mmap, where: str = ".pte") -> PteReport:
-    """`inspect_pte` of a serialized program already in memory (the exporter's lowered buffer)."""
+def _context_infos(data: bytes | mmap.mmap, where: str) -> list[tuple[list[QnnDelegate], BinaryInfo]]:
+    """Each QNN context of a serialized program once, with the delegates that run it, read by the QNN System library."""
     by_key: dict[str, list[QnnDelegate]] = {}
     for delegate in qnn_delegates(data, where):
         by_key.setdefault(delegate.key, []).append(delegate)
     if not by_key:
         raise QnnInspectError(f"{where} holds no QNN delegate: nothing was lowered to QNN")
     system = QnnSystem.get()
-    contexts = [_context(ds, system.binary_info(ds[0].binary)) for ds in by_key.values()]
-    return PteReport(where, len(data), contexts)
+    return [(ds, system.binary_info(ds[0].binary)) for ds in by_key.values()]
+
+
+def _mapped(path: Path) -> bytes | mmap.mmap:
+    try:
+        with path.open("rb") as f:
+            # Mapped, not read: a Gemma-4-E2B program is 3 GB, and only its contexts (a third) are looked at.
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+    except OSError as e:
+        raise QnnInspectError(f"Cannot read {path}: {e.strerror or e}") from None
+
+
+def inspect_bytes(data: bytes | mmap.mmap, where: str = ".pte") -> PteReport:
+    """`inspect_pte` of a serialized program already in memory (the exporter's lowered buffer)."""
+    return PteReport(where, len(data), [_context(ds, info) for ds, info in _context_infos(data, where)])
 
 
 def inspect_pte(path: str | Path) -> PteReport:
@@ -167,14 +189,17 @@ def inspect_pte(path: str | Path) -> PteReport:
         QnnInspectError: a file that is missing, not an ExecuTorch program, holds no QNN delegate, or a context
             binary the QNN System library refuses.
     """
-    path = Path(path)
-    try:
-        with path.open("rb") as f:
-            # Mapped, not read: a Gemma-4-E2B program is 3 GB, and only its contexts (a third) are looked at.
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
-    except OSError as e:
-        raise QnnInspectError(f"Cannot read {path}: {e.strerror or e}") from None
-    return inspect_bytes(data, str(path))
+    return inspect_bytes(_mapped(Path(path)), str(path))
+
+
+def program_load_bytes(path: str | Path) -> int:
+    """`graph_load_bytes` summed over every graph of every QNN context of the `.pte` at ``path``: what the x86
+    emulator must hold to load it (`program.check_emulator_can_hold`).
+
+    Raises:
+        QnnInspectError: as `inspect_pte`.
+    """
+    return sum(graph_load_bytes(g.blob) for _, info in _context_infos(_mapped(Path(path)), str(path)) for g in info.graphs)
 
 
 # --- Plain text ------------------------------------------------------------------------------------------------

@@ -150,10 +150,11 @@ class ExecuTorchBackend(InProcessBackend):
     runtime = "executorch"
 
     def __init__(self, variant: Path, manifest: Manifest, *, allowed_root: Path | None = None):
+        from optimum_qnn.artifacts.inspection import program_load_bytes
         from optimum_qnn.program import ExecClock, LoadedProgram, ProgramFacts, TimedMethod
 
         pte = resolve_inside(variant, manifest.program.path, allowed_root=allowed_root)
-        self.program = LoadedProgram.get(pte, ProgramFacts.of(manifest))
+        self.program = LoadedProgram.get(pte, ProgramFacts.of(manifest), load_bytes=lambda: program_load_bytes(pte))
         clock = ExecClock()
         contract = manifest.runner_contract()
         super().__init__(manifest, {m.name: TimedMethod(self.program, m.name, clock) for m in contract.methods}, clock)

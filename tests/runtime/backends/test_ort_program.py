@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +232,37 @@ def test_contexts_load_from_scratch_files_not_python_bytes(a16w8_export):
     inputs = contract_inputs(read_manifest(folder), "kv_forward", 2)
     ours = program.methods["kv_forward"](inputs)
     assert all(same_bytes(a, b) for a, b in zip(ours, executorch_outputs(folder, "kv_forward", inputs)))
+
+
+def test_contexts_beyond_the_emulators_htp_memory_refused_before_loading(a16w8_export, monkeypatch):
+    """A program whose contexts need more HTP memory than the x86 emulator's one protection domain holds (full-size
+    E2B at 32K, unshared: 5.5 GB) is refused by both host backends before QNN creates a context, with the fix; the
+    need counted is each graph's constants, IO, spill-fill and op data, as `inspect` reads them."""
+    import onnxruntime
+
+    import optimum_qnn.program as program
+    from optimum_qnn.artifacts.inspection import inspect_pte, program_load_bytes
+    from optimum_qnn.runtime.backends.host import ExecuTorchBackend
+    from optimum_qnn.runtime.backends.onnxruntime import OrtProgram
+
+    (folder,) = variant_dirs(a16w8_export("hybrid"))
+    pte = folder / "model.pte"
+    graphs = [g for c in inspect_pte(pte).contexts for g in c.graphs]
+    need = sum(g.const_bytes + g.io_bytes + g.spill_fill_bytes + g.op_data_bytes for g in graphs)
+    assert len(graphs) == 2 and program_load_bytes(pte) == need > 0
+    program.check_emulator_can_hold(need, "x.pte", machine="x86_64")  # at the limit it fits
+    monkeypatch.setattr(program, "EMULATOR_PD_BYTES", need - 1)
+    program.check_emulator_can_hold(need, "x.pte", machine="aarch64")  # a Snapdragon has several domains
+    if not program.is_emulator_host():
+        pytest.skip("the refusal is for the x86 HTP emulator")
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("a QNN context was loaded")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", no_session)
+    with pytest.raises(OptimumQnnError, match=r"more than the x86 HTP emulator holds.*--mode kv"):
+        OrtProgram(pte, read_manifest(folder))
+    monkeypatch.setattr(program, "load_program", no_session)
+    monkeypatch.setattr(program.LoadedProgram, "_live", weakref.WeakValueDictionary())  # not the suite's live copy
+    with pytest.raises(OptimumQnnError, match=r"more than the x86 HTP emulator holds.*--mode kv"):
+        ExecuTorchBackend(folder, read_manifest(folder))

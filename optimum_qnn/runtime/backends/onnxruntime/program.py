@@ -41,7 +41,8 @@ import numpy as np
 from optimum_qnn.artifacts.inspection.pte_plan import DelegateCall, ExecutionPlan, KernelCall, TensorValue, read_plans
 from optimum_qnn.artifacts.inspection.qnn_system import GraphInfo, QnnInspectError, QnnSystem, TensorInfo
 from optimum_qnn.errors import OptimumQnnError
-from optimum_qnn.program import check_pte_structure, host_can_run
+from optimum_qnn.artifacts.inspection import graph_load_bytes
+from optimum_qnn.program import EMULATOR_PD_BYTES, check_emulator_can_hold, check_pte_structure, host_can_run
 from optimum_qnn.runtime.backends.onnxruntime.cpu_ops import KERNELS, missing_kernels, output_spec
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
 from optimum_qnn.sdk.loading import cache_home
@@ -211,13 +212,19 @@ class OrtProgram:
         for plan in plans:
             for index in sorted(plan.qnn):
                 by_context.setdefault(plan.qnn[index].key, []).append((plan, index))
+        infos = {}
+        for key, users in by_context.items():
+            try:
+                infos[key] = system.binary_info(users[0][0].qnn[users[0][1]].binary)
+            except QnnInspectError as e:
+                raise OrtBackendError(f"{self.path}: QNN context {key} cannot be read ({e}); export it again") from None
+        # QNN reserves room for every graph of a context it loads, used by the loaded methods or not
+        check_emulator_can_hold(sum(graph_load_bytes(g.blob) for info in infos.values() for g in info.graphs),
+                                str(self.path))
         calls: dict[tuple[str, int], _GraphCall] = {}
         for key, users in by_context.items():
             binary = users[0][0].qnn[users[0][1]].binary
-            try:
-                graphs = {g.name: g for g in system.binary_info(binary).graphs}
-            except QnnInspectError as e:
-                raise OrtBackendError(f"{self.path}: QNN context {key} cannot be read ({e}); export it again") from None
+            graphs = {g.name: g for g in infos[key].graphs}
             share = len(users) > 1
             scratch_root = scratch_folder()
             with tempfile.TemporaryDirectory(prefix="context-", dir=scratch_root, ignore_cleanup_errors=True) as tmp:
@@ -271,8 +278,11 @@ class OrtProgram:
         try:
             session = onnxruntime.InferenceSession(str(model_path), sess_options=options)
         except Exception as e:  # onnxruntime raises its own exception types (Fail, RuntimeException...)
+            full = ("; the HTP memory is full: on the x86 emulator every loaded context shares one protection domain "
+                    f"of about {EMULATOR_PD_BYTES / 1e9:.1f} GB, so free other models first"
+                    if "MEM_ALLOC" in str(e) else "")
             raise OrtBackendError(
-                f"onnxruntime-qnn cannot load QNN graph {graph.name!r} of {self.path}: {e}"
+                f"onnxruntime-qnn cannot load QNN graph {graph.name!r} of {self.path}: {e}{full}"
             ) from None
         self._sessions.append(session)
         return session
