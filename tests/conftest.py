@@ -223,8 +223,9 @@ def window7_model_dir(demo_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
     """Hybrid exports of the window-7 model, context 64, weights not shared, built on first use:
-    (quant, prefill_ar_len[, block_len]) -> artifact folder. 16a8w is calibrated on 8 corpus paragraphs and keeps
-    uint16 IO. A ``block_len`` exports the blocks cache layout with blocks of that many slots, else the full layout."""
+    (quant, prefill_ar_len[, block_len[, shards]]) -> artifact folder. 16a8w is calibrated on 8 corpus paragraphs and
+    keeps uint16 IO. A ``block_len`` exports the blocks cache layout with blocks of that many slots, else the full
+    layout; ``shards`` cuts the decoder into that many QNN contexts per method (default 1)."""
     from optimum_qnn.quantization.calibration import CalibrationSource
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.contract import CacheLayout
@@ -232,19 +233,19 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
 
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    built: dict[tuple[str, int, int | None], Path] = {}
+    built: dict[tuple[str, int, int | None, int], Path] = {}
 
-    def get(quant: str, ar_len: int, block_len: int | None = None) -> Path:
-        if (quant, ar_len, block_len) not in built:
+    def get(quant: str, ar_len: int, block_len: int | None = None, shards: int = 1) -> Path:
+        if (quant, ar_len, block_len, shards) not in built:
             blocks = "" if block_len is None else f"-blocks{block_len}"
-            out = tmp_path_factory.mktemp(f"window7-{quant}-ar{ar_len}{blocks}")
+            out = tmp_path_factory.mktemp(f"window7-{quant}-ar{ar_len}{blocks}-shards{shards}")
             scheme = QuantScheme.parse(quant)
             shapes = (ShapeConfig(WINDOW7_CTX, ar_len) if block_len is None else
                       ShapeConfig(WINDOW7_CTX, ar_len, cache_layout=CacheLayout.BLOCKS, cache_block_len=block_len))
             config = ExportConfig(
                 socs=(Soc.SM8650,), quant=scheme, mode=ExportMode.HYBRID, shapes=shapes,
                 embedding_quant=EmbeddingQuant(0, 0) if scheme is QuantScheme.FP16 else EmbeddingQuant(8, 0),
-                weight_sharing=False,
+                weight_sharing=False, shards=None if shards == 1 else shards,
             )
             calibration = None
             if scheme is not QuantScheme.FP16:
@@ -252,8 +253,8 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
                 calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
                 calibration = CalibrationSource(file=calib, limit=8)
             export(window7_model_dir, out, config, calibration=calibration)
-            built[quant, ar_len, block_len] = out
-        return built[quant, ar_len, block_len]
+            built[quant, ar_len, block_len, shards] = out
+        return built[quant, ar_len, block_len, shards]
 
     return get
 

@@ -71,3 +71,36 @@ def _step_logits(model: QNNModelForCausalLM, ids: torch.Tensor, prompt_len: int)
     session = model.backend.session
     session.reset()
     return torch.cat([session.feed(ids[:prompt_len])] + [session.feed(ids[t : t + 1]) for t in range(prompt_len, len(ids))])
+
+
+@pytest.mark.parametrize("quant", ["fp16", "16a8w"])
+def test_blocks_in_two_shards_are_the_blocks_in_one(window7_export, quant):
+    """Cut in two QNN contexts per method, the blocks layout computes what it computes in one: the demo's layer 5
+    reuses the K/V of layer 2 across the cut, and joins that cache's blocks (program inputs, uint16 at 16a8w) and
+    its new columns in its own shard; no block crosses between the shards as float32. Through host:onnxruntime: fp16
+    the same greedy tokens; 16a8w the same teacher-forced argmax at every position and logits SQNR >= 60 dB (the
+    two exports' graphs hold the same ops and encodings, split at another place)."""
+    from optimum_qnn.artifacts.inspection import inspect_pte
+
+    one = QNNModelForCausalLM.from_pretrained(window7_export(quant, AR, BLOCK), device="host:onnxruntime")
+    out = window7_export(quant, AR, BLOCK, 2)
+    two = QNNModelForCausalLM.from_pretrained(out, device="host:onnxruntime")
+    assert two.manifest.contract.shards == 2
+    if quant == "16a8w":
+        blocks = {tuple(t.shape) for m in two.manifest.contract.methods for t in m.inputs if "_block" in t.name}
+        (pte,) = out.glob("qnn/*/*/model.pte")
+        later = inspect_pte(pte).contexts[1]
+        for graph in later.graphs:
+            crossing = [(t.name, t.shape) for t in graph.inputs if t.dtype == "float32" and tuple(t.shape) in blocks]
+            assert not crossing, f"{graph.name}: blocks cross the shards as float32: {crossing}"
+            assert any(t.dtype == "ufixed16" and tuple(t.shape) in blocks for t in graph.inputs), graph.name
+    prompt = torch.tensor(PROMPTS[24])
+    want = one.generate(prompt, max_new_tokens=16, eos_token_id=[])[0]
+    if quant == "fp16":
+        assert two.generate(prompt, max_new_tokens=16, eos_token_id=[])[0].tolist() == want.tolist()
+        return
+    got_logits, want_logits = _step_logits(two, want, 24), _step_logits(one, want, 24)
+    agree = (got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean().item()
+    sqnr = sqnr_db(got_logits, want_logits)
+    print(f"16a8w blocks, 2 shards against 1: argmax agreement {agree:.3f}, SQNR {sqnr:.1f} dB")
+    assert agree == 1.0 and sqnr >= 60

@@ -189,6 +189,34 @@ def test_cli_exports_16a8w_hybrid_and_quality(cli_16a8w_export, demo_model_dir):
     assert "Lowering for SM8650: 2/2 shards done" in proc.stderr  # the bar followed the two shards' compilation
 
 
+def test_a_layer_reusing_kv_of_an_earlier_shard_reads_the_cache_not_a_float_copy(cli_16a8w_export):
+    """The demo's layer 5 reuses the K/V of layer 2, which the 2-shard split puts in the first shard: the second
+    shard's graphs take that layer's uint16 cache input and its new columns, and join them themselves; no graph
+    takes a whole cache (all C columns) as float32, which would cross the host as every column in 4 bytes."""
+    from optimum_qnn.artifacts.inspection import inspect_pte
+    from optimum_qnn.artifacts.manifest import read_manifest
+
+    out, _ = cli_16a8w_export
+    (folder,) = [p.parent for p in out.rglob("manifest.json")]
+    manifest = read_manifest(folder)
+    report = inspect_pte(folder / "model.pte")
+    assert len(report.contexts) == 2
+    context = manifest.contract.context_len
+    inputs, whole = set(), set()  # the cache inputs' shapes, and with all C columns (K [1, kv, hd, C], V [1, kv, C, hd])
+    for method in manifest.contract.methods:
+        for t in method.inputs:
+            if t.name.startswith(("k_cache", "v_cache")):
+                inputs.add(tuple(t.shape))
+                shape = list(t.shape)
+                shape[-1 if t.name.startswith("k") else -2] = context
+                whole.add(tuple(shape))
+    assert inputs and whole
+    for graph in report.contexts[1].graphs:
+        crossing = [(t.name, t.shape) for t in graph.inputs if t.dtype == "float32" and tuple(t.shape) in whole]
+        assert not crossing, f"{graph.name} takes whole caches as float32: {crossing}"
+        assert any(t.dtype == "ufixed16" and tuple(t.shape) in inputs for t in graph.inputs), graph.name
+
+
 def test_cli_export_log_is_a_line_per_stage_step_and_shard(cli_16a8w_export):
     """The export's stderr is a pipe here, as a log file is (CI, nohup): progress is one line per stage, per lowering
     step and per shard, with elapsed time and RSS, never a redraw. Redrawn every second, this export wrote 121 lines

@@ -293,6 +293,9 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             block_len=shapes.cache_block_len, hidden_output=assistant is not None,
         )
         result.swap_summary = static.report.table()
+        # Where the lowering will cut the layers: a layer that reuses the K/V of a layer in an earlier shard joins
+        # that cache itself (`StaticGemma4TextModel.forward`), so no whole cache crosses between shards.
+        static.module.model.shard_starts = tuple(memory.estimate.starts)
         check_overrides_match(static.module, config)
         swap_embeddings_for_cpu(static, config, output)
         if stored:

@@ -58,7 +58,7 @@ def tie_cache_observers(prepared: torch.fx.GraphModule, spec: MethodSpec) -> int
     output = next(n for n in prepared.graph.nodes if n.op == "output")
     results = list(output.args[0])
     if len(placeholders) != len(spec.inputs) or len(results) != len(spec.outputs):
-        raise ValueError(f"{spec.name}: the prepared graph's IO does not line up with the contract")
+        raise ValueError(f"{spec.name}: the prepared graph's IO does not line up with the contract ({len(placeholders)} inputs, {len(results)} outputs; the contract: {len(spec.inputs)}, {len(spec.outputs)})")
     cache_observer = {}
     retied = 0
     for t, node in zip(spec.inputs, placeholders):

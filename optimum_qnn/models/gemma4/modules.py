@@ -12,6 +12,8 @@ The static graph differs from Hugging Face's in three ways, none of which change
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 
 import torch
@@ -156,14 +158,17 @@ class StaticGemma4Attention(nn.Module):
         """Returns (output, K over all C columns, V over all C columns, new K slice, new V slice).
 
         ``k_in``/``v_in`` are this layer's caches (``[1, kv, hd, C-ar]`` / ``[1, kv, C-ar, hd]``) when it owns one,
-        or the full K/V (``[1, kv, hd, C]`` / ``[1, kv, C, hd]``) of the layer it reuses. In the blocks layout they
-        are lists of column blocks instead, and so are the K/V returned: the blocks, then the call's own columns.
+        or the full K/V (``[1, kv, hd, C]`` / ``[1, kv, C, hd]``) of the layer it reuses, or that layer's (cache,
+        new columns) to join here (its source is in another shard). In the blocks layout caches are lists of column
+        blocks instead, and so are the K/V returned: the blocks, then the call's own columns.
         """
         ar = x.shape[1]
         q = self.q_proj(x).view(1, ar, self.num_heads, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
         if self.reuses_kv:
             k_full, v_full, k_new, v_new = k_in, v_in, None, None
+            if isinstance(k_in, tuple):  # (the source's cache, its new columns): joined here, in this layer's shard
+                k_full, v_full = join_cache(k_in[0], v_in[0], k_in[1], v_in[1])
         else:
             k = self.k_proj(x).view(1, ar, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(1, ar, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k
@@ -172,20 +177,7 @@ class StaticGemma4Attention(nn.Module):
             # K is kept transposed ([.., head_dim, T]) so Q @ K needs no transpose of the whole cache.
             k_new = k.permute(0, 2, 3, 1)
             v_new = v.transpose(1, 2)
-            if isinstance(k_in, list):  # the blocks layout: never joined, so no tensor holds a whole cache
-                # `+ 0.0` stands where the full layout's `cat` stands: a graph input must not feed a matmul directly.
-                # With integer IO it then took the matmul's signed int16 operand encoding (no unsigned IO dtype).
-                # Observing the input as a uint16 activation instead (no add) compiles, but `to_executorch`'s spec
-                # propagation re-runs the delegate's float graph on fake uint16 inputs, and `matmul` does not promote
-                # ("expected scalar type torch.float32 but found torch.uint16"); the add does, as `cat` does.
-                # Measured cost (window-7 demo, 16a8w, ctx 64, blocks of 16): 868 / 866 ops handed to QNN per
-                # method against 844 / 842 without the add, and the same HTP op data (174592 / 145152 bytes) and
-                # constants: the HTP graph keeps no memory for it.
-                k_full = [k + 0.0 for k in k_in] + [k_new]
-                v_full = [v + 0.0 for v in v_in] + [v_new]
-            else:
-                k_full = torch.cat([k_in, k_new], dim=-1)
-                v_full = torch.cat([v_in, v_new], dim=-2)
+            k_full, v_full = join_cache(k_in, v_in, k_new, v_new)
         if isinstance(k_full, list):
             out = blocked_gqa(q, k_full, v_full, mask, self.scaling)
         else:
@@ -193,6 +185,22 @@ class StaticGemma4Attention(nn.Module):
         return self.o_proj(out), k_full, v_full, k_new, v_new
 
 
+
+
+def join_cache(k_in, v_in, k_new: torch.Tensor, v_new: torch.Tensor):
+    """A cache's K and V over all C columns: the cache (a tensor, or a list of its column blocks) then the call's own
+    columns (``k_new`` ``[1, kv, hd, ar]``, ``v_new`` ``[1, kv, ar, hd]``)."""
+    if isinstance(k_in, list):  # the blocks layout: never joined, so no tensor holds a whole cache
+        # `+ 0.0` stands where the full layout's `cat` stands: a graph input must not feed a matmul directly.
+        # With integer IO it then took the matmul's signed int16 operand encoding (no unsigned IO dtype).
+        # Observing the input as a uint16 activation instead (no add) compiles, but `to_executorch`'s spec
+        # propagation re-runs the delegate's float graph on fake uint16 inputs, and `matmul` does not promote
+        # ("expected scalar type torch.float32 but found torch.uint16"); the add does, as `cat` does.
+        # Measured cost (window-7 demo, 16a8w, ctx 64, blocks of 16): 868 / 866 ops handed to QNN per
+        # method against 844 / 842 without the add, and the same HTP op data (174592 / 145152 bytes) and
+        # constants: the HTP graph keeps no memory for it.
+        return [k + 0.0 for k in k_in] + [k_new], [v + 0.0 for v in v_in] + [v_new]
+    return torch.cat([k_in, k_new], dim=-1), torch.cat([v_in, v_new], dim=-2)
 
 # The class is its own factory: it is built from the Hugging Face module and the swap context.
 @SWAPS.register(hf.Gemma4TextDecoderLayer)
@@ -260,6 +268,8 @@ class StaticGemma4TextModel(nn.Module):
         self.norm = ctx.swap(model.norm, "norm")
         self.rope = ctx.swap(model.rotary_emb, "rotary_emb")
         self.num_layers = cfg.num_hidden_layers
+        # The layers that begin a shard (the exporter's split, `exporter.parameters.ParameterCounts.shard_starts`).
+        self.shard_starts: tuple[int, ...] = ()
         self.ple_dim = model.hidden_size_per_layer_input
         if self.ple_dim:
             self.embed_tokens_per_layer = ctx.swap(model.embed_tokens_per_layer, "embed_tokens_per_layer")
@@ -308,21 +318,34 @@ class StaticGemma4TextModel(nn.Module):
             band = getattr(self, f"window_band_{tokens.shape[1]}")
             sliding_atten_mask = torch.where(getattr(self, f"window_closed_{tokens.shape[1]}"), band, sliding_atten_mask)
         masks = {AttentionKind.FULL: atten_mask, AttentionKind.SLIDING: sliding_atten_mask}
-        full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per (shard, cache-owning layer): its K/V over all C columns as that shard's layers read them.
+        full_kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         k_out: list[torch.Tensor] = []
         v_out: list[torch.Tensor] = []
         for spec, layer in zip(self.layer_specs, self.layers):
+            shard = bisect.bisect_right(self.shard_starts, spec.index)
             if spec.owns_cache:
                 k_in, v_in = k_caches[spec.cache_index], v_caches[spec.cache_index]
             else:
-                k_in, v_in = full_kv[spec.kv_source]
+                if (shard, spec.kv_source) in full_kv:
+                    k_in, v_in = full_kv[shard, spec.kv_source]
+                else:
+                    # The source layer is in an earlier shard: this layer joins the source's cache (a graph input)
+                    # and its new columns again, in its own shard. What crosses between the shards is then the new
+                    # columns, not all C columns as float32 (Gemma-4-E2B at 32768 in 4 shards: 128 MiB into each
+                    # later shard per decode call); the join is the owner's own ops on the same tensors.
+                    source = self.layer_specs[spec.kv_source].cache_index
+                    k_in = (k_caches[source], k_out[source])
+                    v_in = (v_caches[source], v_out[source])
             cos, sin = rope[spec.attention]
             per_layer = ple[:, :, spec.index, :] if ple is not None else None
             h, k_full, v_full, k_new, v_new = layer(h, per_layer, cos, sin, masks[spec.attention], k_in, v_in)
             if spec.owns_cache:
-                full_kv[spec.index] = (k_full, v_full)
+                full_kv[shard, spec.index] = (k_full, v_full)
                 k_out.append(k_new)
                 v_out.append(v_new)
+            else:  # the first reader of this shard leaves the K/V it joined to the next ones
+                full_kv.setdefault((shard, spec.kv_source), (k_full, v_full))
         return self.norm(h), k_out, v_out
 
 
