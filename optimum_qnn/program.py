@@ -181,7 +181,8 @@ def check_emulator_can_add(htp_arch: int, live_archs: Sequence[int], what: str,
 # context size estimate 1289034496", QNN error 1002; onnxruntime-qnn reports QNN_COMMON_ERROR_MEM_ALLOC). Measured
 # with full-size Gemma-4-E2B at 32768 tokens, --no-weight-sharing: two contexts of ~3.12 GB placed, "available space
 # 493532057" left, so the domain holds ~3.6 GB. On a Snapdragon, QNN spreads contexts over several domains.
-EMULATOR_PD_BYTES = 3_600_000_000
+EMULATOR_PD_GB = 3.6
+EMULATOR_PD_BYTES = int(EMULATOR_PD_GB * 1e9)
 
 
 def check_emulator_can_hold(load_bytes: int, what: str, machine: str | None = None) -> None:
