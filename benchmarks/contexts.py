@@ -7,7 +7,10 @@ status (the refusal's words when the preflight refused), wall time, peak memory,
 needs as `inspect` reads them (spill-fill buffer, IO buffers, op data), and the bytes that cross the graph boundary
 per decode and per prefill call (exact, from the variant's runner contract). `emulator` exports the demo model at
 several contexts (16a8w, weights not shared) and times decode and prefill calls on the x86 HTP emulator through
-the onnxruntime backend. `render` prints the tables RESULTS.md shows (benchmarks/results.py includes them).
+the onnxruntime backend. `generate` loads one full-size variant as a user does (an unshared export: the emulator cannot
+load weight-shared contexts) and generates greedily through the onnxruntime backend on the emulator: load time,
+the first token (one prefill call), seconds per decode call, peak memory, and whether its tokens are those of the
+4K variant's run (benchmarks/ort_vs_executorch_e2b.json, the same seeded prompt). `render` prints the tables RESULTS.md shows (benchmarks/results.py includes them).
 
 The SM8750 figure is an ESTIMATE, not a measurement: a decode step reads every cache input and writes the new
 column; at the SoC's peak DRAM bandwidth (LPDDR5X at 5300 MHz on a 64-bit bus: 84.8 GB/s) the cache traffic alone
@@ -18,6 +21,8 @@ Run the exports alone (each needs most of the machine's memory for 10-20 min):
     python benchmarks/contexts.py export --model e2b --context 4096   # or 'default': no --max-seq-len
     python benchmarks/contexts.py emulator --contexts 128 256 512 1024
     python benchmarks/contexts.py emulator --contexts 256 512 1024 --layouts full blocks128 blocks256
+    python benchmarks/contexts.py generate --variant <out>/qnn/sm8650/16a4w_block64-ctx32768-blocks --tokens 8 \
+        --reference benchmarks/ort_vs_executorch_e2b.json
     python benchmarks/contexts.py render
 """
 
@@ -133,6 +138,35 @@ def emulator_rows(contexts: list[int], calls: int, work: Path, layouts: list[str
             yield row
 
 
+def generate_row(variant: Path, tokens: int, reference: Path | None) -> dict:
+    """``variant`` generating ``tokens`` greedily through the onnxruntime backend on the emulator, in a fresh process
+    (benchmarks/ort_vs_executorch.generate_child: the seeded 8-id prompt, one prefill call); its tokens against the
+    ``reference`` run's (a --generate JSON of ort_vs_executorch.py) when given."""
+    from optimum_qnn.artifacts.manifest import read_manifest
+
+    manifest = read_manifest(variant)
+    proc = subprocess.run([sys.executable, str(HERE / "ort_vs_executorch.py"), "--child", "onnxruntime", "--variant",
+                           str(variant), "--generate", str(tokens)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"the generating child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    contract = manifest.contract
+    row = {"model": manifest.source.model_id, "context": contract.context_len,
+           "layout": str(getattr(contract.cache_layout, "value", contract.cache_layout)),
+           "pte_gb": (variant / "model.pte").stat().st_size / 1e9, **got}
+    if reference is not None and reference.is_file():
+        ref = json.loads(reference.read_text())
+        ref_tokens = ref["generate"][0]["tokens"]
+        same = 0
+        for a, b in zip(got["tokens"], ref_tokens):
+            if a != b:
+                break
+            same += 1
+        row["reference"] = {"file": reference.name, "context": ref.get("context", 4096), "tokens": ref_tokens,
+                            "same_prefix": same}
+    return row
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
@@ -188,6 +222,23 @@ def section(rows: dict) -> str:
     for r in refused:
         lines.append(f"\n{r['model']} at {r['context']} (`{' '.join(r['flags'])}`), exit {r['exit']} after "
                      f"{r['wall_s']:.0f} s: {r['error']}")
+    generated = rows.get("generate", {})
+    if generated:
+        lines += ["", "Full-size variants generating on the x86 HTP emulator (benchmarks/contexts.py generate: the "
+                  "variant loaded as a user loads it, through the onnxruntime backend; a seeded 8-id prompt, one "
+                  "prefill call, greedy; unshared exports, as the emulator cannot load weight-shared contexts). The "
+                  "emulator runs every HTP op on the x86 CPU: its seconds are not a phone's.", "",
+                  "| model | context | layout | .pte GB | load s | first token s | decode s/token | peak RSS MB | tokens "
+                  "| as the 4K variant | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in generated.values():
+            ref = r.get("reference")
+            same = "-" if ref is None else f"first {ref['same_prefix']} of {min(len(r['tokens']), len(ref['tokens']))}"
+            lines.append(f"| {r['model']} | {r['context']} | {r['layout']} | {r['pte_gb']:.2f} | {r['load_s']:.1f} "
+                         f"| {r['ttft_s']:.0f} | {r['decode_s_per_token']:.0f} | {r['peak_rss_mb']:.0f} "
+                         f"| {len(r['tokens'])} | {same} | {r['commit']} |")
+        for r in generated.values():
+            if r.get("note"):
+                lines.append(f"\n{r['model']} at {r['context']} on the emulator: {r['note']}")
     emulator = rows.get("emulator", {})
     if emulator:
         lines += ["", "The demo model (16a8w, weights not shared) on the x86 HTP emulator through the onnxruntime "
@@ -218,6 +269,13 @@ def main() -> int:
     e.add_argument("--work", type=Path, default=Path("/tmp/contexts-demo"))
     e.add_argument("--layouts", nargs="+", default=["full"], help="cache layouts: full, or blocksN (blocks of N slots)")
     e.add_argument("--note", help="what the rows should say beside them (e.g. what else ran then)")
+    g = sub.add_parser("generate")
+    g.add_argument("--variant", type=Path, required=True, help="an unshared variant folder (manifest.json + model.pte)")
+    g.add_argument("--tokens", type=int, default=8)
+    g.add_argument("--reference", type=Path,
+                   help="a --generate run of ort_vs_executorch.py on the same model and prompt to compare tokens with "
+                        "(benchmarks/ort_vs_executorch_e2b.json: the E2B 4K variant)")
+    g.add_argument("--note", help="what the row should say beside it")
     sub.add_parser("render")
     args = parser.parse_args()
     if args.command == "export":
@@ -236,6 +294,13 @@ def main() -> int:
             if args.note:
                 row["note"] = args.note
             _store("emulator", f"{row['context']} {row['layout']}", row)
+    elif args.command == "generate":
+        commit = _commit()
+        row = generate_row(args.variant, args.tokens, args.reference)
+        row["commit"] = commit
+        if args.note:
+            row["note"] = args.note
+        _store("generate", f"{row['model']}@{row['context']} {row['layout']}", row)
     print(section(_load()))
     return 0
 
