@@ -19,6 +19,7 @@ from optimum_qnn.contract import AttentionKind, LayerSpec, MethodSpec, draft_met
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.models.gemma4.modeling import StaticCausalLM, check_adoption
 from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
+from optimum_qnn.ops.attention import matmul_operand
 from optimum_qnn.ops.mask import draft_mask
 from optimum_qnn.ops.sparse_logits import clustered_logits
 from optimum_qnn.swap import SWAPS, SwapContext, SwapReport, apply_swaps
@@ -157,11 +158,9 @@ class StaticGemma4Assistant(nn.Module):
         h = self.pre_projection(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))
         rope = {kind: self.rope(input_pos, kind) for kind in dict.fromkeys(self.kinds)}
         masks = {AttentionKind.FULL: atten_mask, AttentionKind.SLIDING: sliding_atten_mask}
-        # `+ 0.0`: the caches are graph inputs, and a graph input must not feed a matmul directly (as in the blocks
-        # layout, `modules.py`): a quantized drafter's matmul gives its operand a symmetric int16 encoding, which the
-        # target's uint16 buffer does not have, and the HTP's MatMul takes no other (docs/assistant.md#export).
-        kv = {AttentionKind.FULL: (k_full + 0.0, v_full + 0.0),
-              AttentionKind.SLIDING: (k_sliding + 0.0, v_sliding + 0.0)}
+        # The caches are graph inputs in the target's uint16 encodings (docs/assistant.md#export).
+        kv = {AttentionKind.FULL: (matmul_operand(k_full), matmul_operand(v_full)),
+              AttentionKind.SLIDING: (matmul_operand(k_sliding), matmul_operand(v_sliding))}
         for kind, layer in zip(self.kinds, self.layers):
             cos, sin = rope[kind]
             h = layer(h, None, cos, sin, masks[kind], *kv[kind])[0]

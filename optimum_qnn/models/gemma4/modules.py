@@ -23,7 +23,7 @@ from transformers.models.gemma4 import modeling_gemma4 as hf
 
 from optimum_qnn.contract import AttentionKind, LayerSpec, column_blocks
 from optimum_qnn.errors import UnsupportedModelError
-from optimum_qnn.ops.attention import blocked_gqa, static_gqa
+from optimum_qnn.ops.attention import blocked_gqa, matmul_operand, static_gqa
 from optimum_qnn.ops.mask import window_band
 from optimum_qnn.ops.rope import apply_rope, gather_rope
 from optimum_qnn.ops.softcap import softcap
@@ -191,15 +191,7 @@ def join_cache(k_in, v_in, k_new: torch.Tensor, v_new: torch.Tensor):
     """A cache's K and V over all C columns: the cache (a tensor, or a list of its column blocks) then the call's own
     columns (``k_new`` ``[1, kv, hd, ar]``, ``v_new`` ``[1, kv, ar, hd]``)."""
     if isinstance(k_in, list):  # the blocks layout: never joined, so no tensor holds a whole cache
-        # `+ 0.0` stands where the full layout's `cat` stands: a graph input must not feed a matmul directly.
-        # With integer IO it then took the matmul's signed int16 operand encoding (no unsigned IO dtype).
-        # Observing the input as a uint16 activation instead (no add) compiles, but `to_executorch`'s spec
-        # propagation re-runs the delegate's float graph on fake uint16 inputs, and `matmul` does not promote
-        # ("expected scalar type torch.float32 but found torch.uint16"); the add does, as `cat` does.
-        # Measured cost (window-7 demo, 16a8w, ctx 64, blocks of 16): 868 / 866 ops handed to QNN per
-        # method against 844 / 842 without the add, and the same HTP op data (174592 / 145152 bytes) and
-        # constants: the HTP graph keeps no memory for it.
-        return [k + 0.0 for k in k_in] + [k_new], [v + 0.0 for v in v_in] + [v_new]
+        return [matmul_operand(k) for k in k_in] + [k_new], [matmul_operand(v) for v in v_in] + [v_new]
     return torch.cat([k_in, k_new], dim=-1), torch.cat([v_in, v_new], dim=-2)
 
 # The class is its own factory: it is built from the Hugging Face module and the swap context.
