@@ -229,13 +229,11 @@ def section(rows: dict) -> str:
                   "prefill call, greedy; unshared exports, as the emulator cannot load weight-shared contexts). The "
                   "emulator runs every HTP op on the x86 CPU: its seconds are not a phone's.", "",
                   "| model | context | layout | .pte GB | load s | first token s | decode s/token | peak RSS MB | tokens "
-                  "| as the 4K variant | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| commit |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in generated.values():
-            ref = r.get("reference")
-            same = "-" if ref is None else f"first {ref['same_prefix']} of {min(len(r['tokens']), len(ref['tokens']))}"
             lines.append(f"| {r['model']} | {r['context']} | {r['layout']} | {r['pte_gb']:.2f} | {r['load_s']:.1f} "
                          f"| {r['ttft_s']:.0f} | {r['decode_s_per_token']:.0f} | {r['peak_rss_mb']:.0f} "
-                         f"| {len(r['tokens'])} | {same} | {r['commit']} |")
+                         f"| {len(r['tokens'])} | {r['commit']} |")
         for r in generated.values():
             if r.get("note"):
                 lines.append(f"\n{r['model']} at {r['context']} on the emulator: {r['note']}")
