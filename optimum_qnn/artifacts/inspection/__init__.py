@@ -31,7 +31,7 @@ from optimum_qnn.artifacts.inspection.qnn_system import BinaryInfo, Encoding, Qn
 from optimum_qnn.artifacts.manifest import Inspection, QnnContext, QnnGraph, QnnTensor, SharingCheck
 
 __all__ = [
-    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds", "graph_load_bytes", "program_load_bytes",
+    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds", "context_load_bytes", "graph_load_bytes", "program_load_bytes",
     "SharingCheck", "export_time_inspection", "inspect_bytes", "inspect_pte", "manifest_inspection",
 ]
 
@@ -213,8 +213,18 @@ def _encoding_text(encoding: Encoding | None) -> str:
     return "-" if encoding is None else encoding.summary()
 
 
+def context_load_bytes(context: ContextReport) -> int:
+    """The HTP memory QNN reserves to load ``context``: its shared weight pool once, and per graph what
+    `graph_load_bytes` counts. The x86 emulator holds every context of a process in one protection domain
+    (`program.check_emulator_can_hold`); a Snapdragon spreads them over several."""
+    return context.shared_weights_bytes + sum(
+        sum(n or 0 for n in (g.const_bytes, g.io_bytes, g.spill_fill_bytes, g.op_data_bytes)) for g in context.graphs)
+
+
 def format_report(report: PteReport) -> str:
-    lines = [f"{report.path}: {_mb(report.size)}, {len(report.contexts)} QNN context(s)"]
+    total = sum(context_load_bytes(c) for c in report.contexts)
+    lines = [f"{report.path}: {_mb(report.size)}, {len(report.contexts)} QNN context(s), HTP load {_mb(total)} (weights, "
+             "IO, spill-fill and op data: what QNN reserves to load them)"]
     for i, c in enumerate(report.contexts):
         sharing = {True: "shared between graphs", False: "per graph", None: "unknown"}[c.weight_sharing]
         lines += [
@@ -224,6 +234,7 @@ def format_report(report: PteReport) -> str:
             f"  QAIRT     {c.build_id}",
             f"  size      {_mb(c.size)} (context blob {_mb(c.context_blob_size)})",
             f"  weights   {sharing}: shared pool {_mb(c.shared_weights_bytes)}, per-graph constants {_mb(c.const_bytes)}",
+            f"  HTP load  {_mb(context_load_bytes(c))}",
         ]
         for g in c.graphs:
             lines.append(

@@ -247,9 +247,11 @@ def test_contexts_beyond_the_emulators_htp_memory_refused_before_loading(a16w8_e
 
     (folder,) = variant_dirs(a16w8_export("hybrid"))
     pte = folder / "model.pte"
-    graphs = [g for c in inspect_pte(pte).contexts for g in c.graphs]
+    report = inspect_pte(pte)
+    graphs = [g for c in report.contexts for g in c.graphs]
     need = sum(g.const_bytes + g.io_bytes + g.spill_fill_bytes + g.op_data_bytes for g in graphs)
     assert len(graphs) == 2 and program_load_bytes(pte) == need > 0
+    assert f"HTP load {need / 2**20:.2f} MB" in report.to_text()  # what `inspect` prints
     program.check_emulator_can_hold(need, "x.pte", machine="x86_64")  # at the limit it fits
     monkeypatch.setattr(program, "EMULATOR_PD_BYTES", need - 1)
     program.check_emulator_can_hold(need, "x.pte", machine="aarch64")  # a Snapdragon has several domains
