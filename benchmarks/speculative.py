@@ -1,7 +1,7 @@
 """Plain, lookahead and assistant decoding of the demo model on the x86 HTP emulator, one after the other in one run.
 
-Three exports of the demo Gemma4 (examples/tiny_gemma4.py) with the same scheme (16a8w, --float-io, which an
-assistant export needs; SM8650, context 128, prefill 16, weights not shared): plain hybrid, `--mode lookahead`
+Three exports of the demo Gemma4 (examples/tiny_gemma4.py) with the same scheme (16a8w with uint16 graph IO, the
+default; SM8650, context 128, prefill 16, weights not shared): plain hybrid, `--mode lookahead`
 (N 4, W 3, G 3: kv_forward of 32 tokens) and `--assistant` with the demo's distilled drafter
 (examples/tiny_gemma4_assistant.py, `--draft-len 3`: kv_forward of 4 tokens plus `draft_forward`). Each is run through
 `QNNModelForCausalLM` (host:onnxruntime) on prompts held out from the drafter's training
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 CACHE = Path.home() / ".cache" / "optimum-qnn" / "test-models"
-COMMON = ["--soc", "SM8650", "--quant", "16a8w", "--float-io", "--max-seq-len", "128", "--prefill-ar-len", "16",
+COMMON = ["--soc", "SM8650", "--quant", "16a8w", "--max-seq-len", "128", "--prefill-ar-len", "16",
           "--no-weight-sharing", "--embedding-quant", "8,0,asym", "--calib-limit", "16"]
 MODES = {"plain": [], "lookahead": ["--mode", "lookahead", "--ngram", "4", "--window", "3", "--gcap", "3"],
          "assistant": ["--assistant", "{assistant}", "--draft-len", "3"]}
@@ -56,23 +57,27 @@ def models() -> tuple[Path, Path]:
 
 
 def export(mode: str, target: Path, assistant: Path, work: Path) -> Path:
-    """One export with the command users type (reused when ``work`` holds it); returns the artifact folder."""
+    """One export with the command users type (reused when ``work`` holds one made with the same flags); returns the
+    artifact folder."""
     out = work / mode
-    if list(out.glob("qnn/*/*/manifest.json")):
+    flags = [f.format(assistant=assistant) for f in MODES[mode]]
+    stamp = work / f"{mode}.flags.json"
+    if list(out.glob("qnn/*/*/manifest.json")) and stamp.is_file() and json.loads(stamp.read_text()) == COMMON + flags:
         return out
+    shutil.rmtree(out, ignore_errors=True)
     calib = work / "calibration.txt"
     if not calib.exists():
         import tiny_gemma4
 
         calib.parent.mkdir(parents=True, exist_ok=True)
         calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:64]))
-    flags = [f.format(assistant=assistant) for f in MODES[mode]]
     cmd = [sys.executable, "-m", "optimum_qnn", "export", "--model", str(target), "--output", str(out),
            "--calib-file", str(calib), *COMMON, *flags]
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     print(f"  {mode}: exported in {time.perf_counter() - t0:.0f} s", flush=True)
+    stamp.write_text(json.dumps(COMMON + flags))
     return out
 
 
@@ -135,7 +140,7 @@ def main() -> None:
         from run import source_commit
 
         args.json.write_text(json.dumps({"prompts": len(prompts), "new_tokens": args.new_tokens, "rows": rows,
-                                         "note": args.note, "commit": source_commit()}, indent=2) + "\n")
+                                         "note": args.note, "commit": source_commit(), "flags": COMMON}, indent=2) + "\n")
 
 
 def section(rows: dict) -> str:
@@ -152,7 +157,7 @@ def section(rows: dict) -> str:
     table = markdown(head, lines) + "\n"
     return (
         "\n## Plain, lookahead and assistant decoding\n\n"
-        f"benchmarks/speculative.py: the demo model exported three ways ({' '.join(COMMON)}; lookahead N 4 W 3 G 3; "
+        f"benchmarks/speculative.py: the demo model exported three ways ({' '.join(rows['flags'])}; lookahead N 4 W 3 G 3; "
         f"the demo's distilled assistant, --draft-len 3), host:onnxruntime on the x86 HTP emulator, "
         f"{rows['prompts']} held-out prompts x {rows['new_tokens']} greedy tokens, each checked against plain greedy "
         f"of its own variant. {rows.get('note', '')} Commit {rows.get('commit', 'not recorded')}. The SM8750 column "
