@@ -72,10 +72,15 @@ def test_assistant_flags_that_cannot_work_are_refused_before_any_work(flags, mat
     refused(capsys, demo_model_dir, tmp_path, *HYBRID, *flags, match=match)
 
 
-def test_load_assistant_reads_every_tensor_and_refuses_a_missing_one(tmp_path):
+def test_load_assistant_reads_every_tensor_and_refuses_a_missing_one(tmp_path, capsys):
+    from transformers.utils import logging as hf_logging
+
     model = tiny_assistant(tiny_assistant_config(ordered=True), seed=4)
     model.save_pretrained(tmp_path / "a")
+    capsys.readouterr()
     loaded = load_assistant(tmp_path / "a")
+    # transformers' own "Loading weights" bar is not shown (the export prints its stage lines), and stays on after
+    assert "Loading weights" not in capsys.readouterr().err and hf_logging.is_progress_bar_enabled()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     from safetensors.torch import load_file, save_file

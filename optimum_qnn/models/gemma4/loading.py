@@ -314,9 +314,17 @@ def load_assistant(folder: str | Path):
     config = read_assistant_config(folder)
     config.get_text_config()._attn_implementation = "eager"
     _safetensors_files(folder, allow_pickle=False)  # the same refusal of a folder without safetensors
-    model, info = Gemma4AssistantForCausalLM.from_pretrained(
-        folder, config=config, dtype=torch.float32, output_loading_info=True
-    )
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar: the export prints its own stage lines
+    try:
+        model, info = Gemma4AssistantForCausalLM.from_pretrained(
+            folder, config=config, dtype=torch.float32, output_loading_info=True
+        )
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise CheckpointError(
