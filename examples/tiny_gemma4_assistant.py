@@ -47,10 +47,12 @@ STEPS, DRAFT_STEPS, BATCH, SEQ, LR = 300, 4, 16, 96, 3e-3
 NUM_ASSISTANT_TOKENS = 3  # the K its generation_config.json proposes (transformers' assisted generation reads it)
 
 
-def assistant_config(target: Gemma4TextConfig) -> Gemma4AssistantConfig:
-    """A 4-layer drafter (3 sliding, 1 full) of half the target's width, tied to ``target`` as
-    `check_assistant_ties` requires: its vocabulary, ``backbone_hidden_size`` = the target's width, and per attention
-    kind the head_dim and KV heads of the target layer whose K/V it reads."""
+def assistant_config(target: Gemma4TextConfig, hidden: int | None = None, intermediate: int | None = None,
+                     centroids: tuple[int, int] | None = None) -> Gemma4AssistantConfig:
+    """A 4-layer drafter (3 sliding, 1 full), by default of half the target's width and an MLP of twice it, tied to
+    ``target`` as `check_assistant_ties` requires: its vocabulary, ``backbone_hidden_size`` = the target's width, and
+    per attention kind the head_dim and KV heads of the target layer whose K/V it reads. ``centroids`` (clusters,
+    clusters scored) switches on the clustered output embedding."""
     from optimum_qnn.contract import AttentionKind
     from optimum_qnn.models.gemma4.assistant import drafter_sources
     from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
@@ -58,7 +60,8 @@ def assistant_config(target: Gemma4TextConfig) -> Gemma4AssistantConfig:
     sources = drafter_sources(gemma4_layer_specs(target))
     full, sliding = sources[AttentionKind.FULL], sources[AttentionKind.SLIDING]
     text = dict(
-        vocab_size=target.vocab_size, hidden_size=target.hidden_size // 2, intermediate_size=target.hidden_size * 2,
+        vocab_size=target.vocab_size, hidden_size=hidden or target.hidden_size // 2,
+        intermediate_size=intermediate or target.hidden_size * 2,
         num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
         num_attention_heads=target.num_attention_heads, num_key_value_heads=sliding.kv_heads, head_dim=sliding.head_dim,
         global_head_dim=full.head_dim, num_global_key_value_heads=full.kv_heads, attention_k_eq_v=True,
@@ -66,7 +69,9 @@ def assistant_config(target: Gemma4TextConfig) -> Gemma4AssistantConfig:
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
         max_position_embeddings=target.max_position_embeddings, pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )
-    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.hidden_size)
+    extra = {} if centroids is None else dict(use_ordered_embeddings=True, num_centroids=centroids[0],
+                                              centroid_intermediate_top_k=centroids[1])
+    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.hidden_size, **extra)
 
 
 def corpus_ids(target_dir: Path) -> torch.Tensor:
