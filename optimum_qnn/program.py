@@ -78,16 +78,21 @@ class LoadedProgram:
     @classmethod
     def get(cls, path: Path, facts: "ProgramFacts", load_bytes: Callable[[], int] | None = None) -> "LoadedProgram":
         """The live program of ``path``'s content (``facts.sha256``), or a fresh load of it; ``load_bytes`` gives the
-        HTP memory its contexts need (`inspection.program_load_bytes`), checked on the emulator before a load."""
+        HTP memory its contexts need (`inspection.program_load_bytes`): when a load fails on the emulator, it says
+        whether that is why. (Read only then: the QNN System library keeps a copy of every context it reads, 3 MB a
+        load of the demo's program, which twenty loads and drops would leave in the process.)"""
         check_host_can_run(facts.weight_sharing, str(path))  # before the cache: a live copy does not make it loadable
         with cls._live_lock:
             loaded = cls._live.get(facts.sha256)
             if loaded is None:
                 check_emulator_can_add(facts.htp_arch, [live.htp_arch for live in cls._live.values()], str(path))
-                if load_bytes is not None and is_emulator_host():
-                    check_emulator_can_hold(load_bytes(), str(path))
-                with quiet_runtime():  # the QNN backend prints a dozen INFO lines as it opens the program's contexts
-                    loaded = cls(load_program(path, facts), facts.method_names, facts.htp_arch)
+                try:
+                    with quiet_runtime():  # the QNN backend prints a dozen INFO lines as it opens the contexts
+                        loaded = cls(load_program(path, facts), facts.method_names, facts.htp_arch)
+                except RuntimeError:  # ExecuTorch's bare "Failed to load method ..., error: 0x:1"
+                    if load_bytes is not None and is_emulator_host():
+                        check_emulator_can_hold(load_bytes(), str(path))
+                    raise
                 cls._live[facts.sha256] = loaded
             return loaded
 

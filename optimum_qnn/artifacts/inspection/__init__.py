@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import mmap
@@ -199,7 +200,15 @@ def program_load_bytes(path: str | Path) -> int:
     Raises:
         QnnInspectError: as `inspect_pte`.
     """
-    return sum(graph_load_bytes(g.blob) for _, info in _context_infos(_mapped(Path(path)), str(path)) for g in info.graphs)
+    data = _mapped(Path(path))
+    try:
+        infos = _context_infos(data, str(path))
+        return sum(graph_load_bytes(g.blob) for _, info in infos for g in info.graphs)
+    finally:
+        infos = None  # the views into the map go first: unmapped now, its pages leave the RSS (a load reads it next)
+        if isinstance(data, mmap.mmap):
+            with contextlib.suppress(BufferError):
+                data.close()
 
 
 # --- Plain text ------------------------------------------------------------------------------------------------

@@ -236,8 +236,9 @@ def test_contexts_load_from_scratch_files_not_python_bytes(a16w8_export):
 
 def test_contexts_beyond_the_emulators_htp_memory_refused_before_loading(a16w8_export, monkeypatch):
     """A program whose contexts need more HTP memory than the x86 emulator's one protection domain holds (full-size
-    E2B at 32K, unshared: 5.5 GB) is refused by both host backends before QNN creates a context, with the fix; the
-    need counted is each graph's constants, IO, spill-fill and op data, as `inspect` reads them."""
+    E2B at 32K, unshared: 5.5 GB) is refused by the onnxruntime backend before QNN creates a context, and explained
+    when ExecuTorch's load fails, with the fix; the need counted is each graph's constants, IO, spill-fill and op
+    data, as `inspect` reads them."""
     import onnxruntime
 
     import optimum_qnn.program as program
@@ -264,7 +265,10 @@ def test_contexts_beyond_the_emulators_htp_memory_refused_before_loading(a16w8_e
     monkeypatch.setattr(onnxruntime, "InferenceSession", no_session)
     with pytest.raises(OptimumQnnError, match=r"more than the x86 HTP emulator holds.*--mode kv"):
         OrtProgram(pte, read_manifest(folder))
-    monkeypatch.setattr(program, "load_program", no_session)
+    def qnn_fails(*args, **kwargs):  # what ExecuTorch raises when QNN cannot place a context (error 1002)
+        raise RuntimeError("Failed to load method prefill_forward, error: 0x:1")
+
+    monkeypatch.setattr(program, "load_program", qnn_fails)
     monkeypatch.setattr(program.LoadedProgram, "_live", weakref.WeakValueDictionary())  # not the suite's live copy
     with pytest.raises(OptimumQnnError, match=r"more than the x86 HTP emulator holds.*--mode kv"):
         ExecuTorchBackend(folder, read_manifest(folder))
