@@ -7,10 +7,11 @@ status (the refusal's words when the preflight refused), wall time, peak memory,
 needs as `inspect` reads them (spill-fill buffer, IO buffers, op data), and the bytes that cross the graph boundary
 per decode and per prefill call (exact, from the variant's runner contract). `emulator` exports the demo model at
 several contexts (16a8w, weights not shared) and times decode and prefill calls on the x86 HTP emulator through
-the onnxruntime backend. `generate` loads one full-size variant as a user does (an unshared export: the emulator cannot
-load weight-shared contexts) and generates greedily through the onnxruntime backend on the emulator: load time,
-the first token (one prefill call), seconds per decode call, peak memory, and whether its tokens are those of the
-4K variant's run (benchmarks/ort_vs_executorch_e2b.json, the same seeded prompt). `render` prints the tables RESULTS.md shows (benchmarks/results.py includes them).
+the onnxruntime backend. `generate` loads one full-size variant as a user does (an unshared export: the emulator
+cannot load weight-shared contexts) and generates greedily through the onnxruntime backend on the emulator: load
+time, the first token, seconds per decode call, peak memory; with `--reference`, how many of its first tokens are
+another run's on the same seeded prompt (stored with the row, not rendered: with random weights two quantized
+exports pick apart). `render` prints the tables RESULTS.md shows (benchmarks/results.py includes them).
 
 The SM8750 figure is an ESTIMATE, not a measurement: a decode step reads every cache input and writes the new
 column; at the SoC's peak DRAM bandwidth (LPDDR5X at 5300 MHz on a 64-bit bus: 84.8 GB/s) the cache traffic alone

@@ -32,8 +32,8 @@ from optimum_qnn.artifacts.inspection.qnn_system import BinaryInfo, Encoding, Qn
 from optimum_qnn.artifacts.manifest import Inspection, QnnContext, QnnGraph, QnnTensor, SharingCheck
 
 __all__ = [
-    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds", "context_load_bytes", "graph_load_bytes", "program_load_bytes",
-    "SharingCheck", "export_time_inspection", "inspect_bytes", "inspect_pte", "manifest_inspection",
+    "ContextReport", "GraphReport", "PteReport", "QnnInspectError", "compare_builds", "context_load_bytes",
+    "graph_load_bytes", "program_load_bytes", "SharingCheck", "export_time_inspection", "inspect_bytes", "inspect_pte", "manifest_inspection",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,12 @@ def graph_load_bytes(blob: bytes) -> int:
     same constants, IO and spill-fill and a "runlist" of 1.6x the op data on Gemma-4-E2B's graphs: within 1 % of
     this). Weights shared between graphs are not counted (the emulator cannot load such contexts)."""
     sizes = _htp_graph_sizes(blob)
-    return sum(n or 0 for n in (sizes.const, sizes.io, sizes.spill_fill, sizes.op_data))
+    return _load_bytes(sizes.const, sizes.io, sizes.spill_fill, sizes.op_data)
+
+
+def _load_bytes(const: int | None, io: int | None, spill_fill: int | None, op_data: int | None) -> int:
+    """One graph's share of what QNN reserves to load its context (`graph_load_bytes`); a missing size counts 0."""
+    return sum(n or 0 for n in (const, io, spill_fill, op_data))
 
 
 def _htp_arch(metadata: bytes) -> int | None:
@@ -205,7 +210,7 @@ def program_load_bytes(path: str | Path) -> int:
         infos = _context_infos(data, str(path))
         return sum(graph_load_bytes(g.blob) for _, info in infos for g in info.graphs)
     finally:
-        infos = None  # the views into the map go first: unmapped now, its pages leave the RSS (a load reads it next)
+        infos = None  # the views into the map go first, so that it can be unmapped here rather than by the collector
         if isinstance(data, mmap.mmap):
             with contextlib.suppress(BufferError):
                 data.close()
@@ -227,7 +232,7 @@ def context_load_bytes(context: ContextReport) -> int:
     `graph_load_bytes` counts. The x86 emulator holds every context of a process in one protection domain
     (`program.check_emulator_can_hold`); a Snapdragon spreads them over several."""
     return context.shared_weights_bytes + sum(
-        sum(n or 0 for n in (g.const_bytes, g.io_bytes, g.spill_fill_bytes, g.op_data_bytes)) for g in context.graphs)
+        _load_bytes(g.const_bytes, g.io_bytes, g.spill_fill_bytes, g.op_data_bytes) for g in context.graphs)
 
 
 def format_report(report: PteReport) -> str:
