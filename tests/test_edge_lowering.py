@@ -85,7 +85,8 @@ def test_methods_converted_side_by_side_make_the_program_one_process_makes(qnn_s
     """`EdgeLowering` converts every method but the first in a forked child, which hands its edge program back
     (`program_transfer`): the lowering then makes the program converting both methods here makes (a PT2E-quantized
     pair: the QNN passes' encodings travel in the nodes' metadata), the child's weights come back as
-    this process's own tensors, not copies, and a child that fails or dies is an error here."""
+    this process's own tensors, not copies, neither keeps its example inputs, and a child that fails or dies is an
+    error here."""
     from optimum_qnn.artifacts.inspection.pte import normalized_program
     from optimum_qnn.exporter import edge as edge_module
     from optimum_qnn.exporter.lowering import EdgeLowering
@@ -112,6 +113,8 @@ def test_methods_converted_side_by_side_make_the_program_one_process_makes(qnn_s
     assert weights and all(t.untyped_storage().data_ptr() in storages for t in weights)
     for name in methods:  # the same graphs, node for node, with the same metadata keys
         a, b = (p._edge.exported_program(name).graph for p in (side_by_side, here))
+        # and no example inputs kept past the re-export (a language model's are its float32 caches: GBs at 32K)
+        assert all(p._edge.exported_program(name).example_inputs is None for p in (side_by_side, here))
         assert [(n.name, str(n.target), sorted(n.meta)) for n in a.nodes] == [
             (n.name, str(n.target), sorted(n.meta)) for n in b.nodes]
     # Each SoC lowered in a forked child (keep=True): QNN's counters here stay put, so the programs compare.

@@ -219,6 +219,7 @@ def _convert_and_dump(name, source, spec, options, shared, path) -> list[str]:
     from optimum_qnn.exporter import program_transfer
 
     edge = to_edge({name: source()}, spec, constant_methods=None, **options)
+    edge.exported_program(name).example_inputs = None  # not needed past the re-export (`release_example_inputs`)
     report_step(f"handing {name} to the export's process")
     with path.open("wb") as f:
         program_transfer.dump(edge.exported_program(name), f, shared)
