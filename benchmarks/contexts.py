@@ -104,7 +104,8 @@ def export_row(model: str, context: str, extra: list[str], memory_limit: float, 
     row = {"model": model, "context": context, "flags": flags, "commit": commit, "memory_limit_gb": memory_limit,
            "exit": result.get("failed", 0), "wall_s": round(result["wall_s"], 1),
            "max_rss_gb": result.get("max_rss_gb"), "cgroup_peak_gb": result.get("cgroup_peak_gb"),
-           "cpu_percent": result.get("cpu_percent"), "stages": result["stages"]}
+           "cpu_percent": result.get("cpu_percent"), "stages": result["stages"],
+           "anonymous_gb": result.get("anonymous_gb")}  # per stage: the part of the RSS the kernel cannot take back
     if row["exit"]:
         log = (work / "out.log").read_text()
         row["error"] = next((line for line in log.splitlines() if line.startswith("error:")), result.get("log_tail", "")[-600:])

@@ -491,6 +491,8 @@ def lookup(key: str) -> float:
         return float(statistics.median(value))
     if op == "min":
         return value / 60
+    if op == "MiB":  # bytes
+        return value / 2**20
     if op == "%":
         return value * 100
     if op.startswith("rel%"):

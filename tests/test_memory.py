@@ -282,8 +282,14 @@ def test_too_small_budget_is_refused_before_any_weight_is_read(tmp_path, monkeyp
 
     monkeypatch.setattr(export_module, "load_text_model", lambda *a, **k: pytest.fail("the model was loaded"))
     folder = e2b_folder_with_garbage_weights(tmp_path)
+    from optimum_qnn.contract import CacheLayout
+    from optimum_qnn.config import DEFAULT_CONTEXT
+
     config = ExportConfig(quant=QuantScheme.A16W4_BLOCK, embedding_quant=EmbeddingQuant(4, 0), max_memory=5)
-    best = min((estimate(ParameterCounts.from_config(e2b_config()), config, n) for n in range(1, 36)),
+    # as the export resolves it before the estimate: the default context, in the full layout (it compiles at 4096)
+    resolved = dataclasses.replace(config, shapes=dataclasses.replace(
+        config.shapes, max_seq_len=DEFAULT_CONTEXT, cache_layout=CacheLayout.FULL))
+    best = min((estimate(ParameterCounts.from_config(e2b_config()), resolved, n) for n in range(1, 36)),
                key=lambda e: (e.peak, e.shards))
     peak = best.peak  # the best any shard count does
     assert 5 < peak < 8
@@ -294,6 +300,65 @@ def test_too_small_budget_is_refused_before_any_weight_is_read(tmp_path, monkeyp
     assert "more than the budget of 5.0 GB (--max-memory)" in message and "stops before loading any weight" in message
     assert "no flag of this exporter lowers this estimate" in message
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("layout, context, block", [("full", 96, None), ("blocks", 128, 32), ("ring", 128, None)])
+def test_the_estimate_counts_the_caches_the_export_makes(demo_model_dir, layout, context, block):
+    """`memory.cache_bytes` from the config alone equals what the static model's contract holds: the float32 caches
+    of every method's example inputs, and per shard the cache inputs its graphs take (its own layers' and those its
+    KV-reusing layers read from an earlier shard)."""
+    from optimum_qnn.contract import CacheLayout
+    from optimum_qnn.exporter.memory import cache_bytes
+    from optimum_qnn.models.gemma4.loading import load_text_model
+    from optimum_qnn.models.gemma4.modeling import StaticCausalLM
+
+    hf = load_text_model(demo_model_dir)[0]
+    static = StaticCausalLM.from_hf(hf, max_context_len=context, ar_len=16, cache_layout=CacheLayout(layout),
+                                    block_len=block)
+    config = ExportConfig(quant=QuantScheme.A16W8, shapes=ShapeConfig(context, 16, cache_layout=CacheLayout(layout),
+                                                                       cache_block_len=block))
+    counts = ParameterCounts.from_config(hf.config)
+    layers = static.contract.layers
+    starts = (layers[-1].index,)  # the last layer (KV-reusing) alone in a second shard
+    examples, shards = cache_bytes(counts, config, starts)
+    held = [t for m in static.contract.methods for spec, t in zip(m.inputs, static.example_inputs(m.name))
+            if "cache" in spec.name]
+    assert held and examples == sum(t.numel() * t.element_size() for t in held)
+    assert all(t.dtype is __import__("torch").float32 for t in held)
+    source = layers[layers[-1].kv_source]
+    read = [spec for m in static.contract.methods for spec in m.inputs
+            if spec.name in {n for kind in ("k", "v") for n in static.contract.cache_input_names(kind, source, m.name)}]
+    assert read and shards[1] == sum(__import__("math").prod(spec.shape) for spec in read) * 2  # uint16 graph IO
+    assert shards[0] == examples // 2  # every cache input is in the first shard's graphs, at 2 bytes for 4
+
+
+def test_the_estimate_grows_with_the_context_and_the_refusal_names_one_that_fits():
+    """Gemma-4-E4B at 32768 (blocks of 4096, as the exporter lays it out): the example inputs' caches (float32, both
+    methods: 2.1 GB) are held from the export to the re-export, and each shard's compile grows with its cache inputs.
+    A budget that 32768 exceeds and 16384 does not is refused naming --max-seq-len 16384."""
+    from optimum_qnn.contract import CacheLayout
+    from optimum_qnn.exporter.memory import _COMPILE_BYTES_PER_CACHE_BYTE, cache_bytes
+
+    e4b = ParameterCounts.from_config(e4b_config())
+
+    def config(context, block=4096, budget=None):
+        layout = CacheLayout.BLOCKS if block else CacheLayout.FULL
+        return ExportConfig(quant=QuantScheme.A16W4_BLOCK, shapes=ShapeConfig(context, 128, cache_layout=layout,
+                                                                              cache_block_len=block), max_memory=budget)
+
+    short, long = estimate(e4b, config(1024, None), 7), estimate(e4b, config(32768), 7)
+    examples, shards = cache_bytes(e4b, config(32768), long.starts)
+    assert 2.0 < examples / GB_BYTES < 2.2
+    for stage in ("export", "calibrate", "quantize"):
+        assert long.stages[stage] - short.stages[stage] > 1.8
+    assert long.lowering - short.lowering == pytest.approx(
+        _COMPILE_BYTES_PER_CACHE_BYTE * (max(shards) - max(cache_bytes(e4b, config(1024, None), long.starts)[1])) / GB_BYTES,
+        abs=0.02)
+    lowest = {c: min(estimate(e4b, config(c), n).peak for n in range(7, 43)) for c in (16384, 32768)}
+    budget = (lowest[16384] + lowest[32768]) / 2  # no shard count fits 32768; 16384 fits
+    with pytest.raises(InvalidInputError) as info:
+        choose_memory_plan(e4b, config(32768, budget=budget))
+    assert "--max-seq-len 16384" in str(info.value)
 
 
 def test_the_refusal_names_the_flags_that_lower_the_estimate(e2b):

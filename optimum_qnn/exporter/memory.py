@@ -50,7 +50,13 @@ measured export joins them.
 
 What the rows did not vary is computed, not measured: weights wider than 4 bits add their extra bytes per HTP
 parameter, float or 8-bit embedding tables theirs, and `--evaluate` keeps the float32 Hugging Face model resident.
-Context length and prefill length are taken as measured (1024 and 128). Every figure this module returns is an
+The context is counted where it shows (`cache_bytes`, from the runner contract the config makes): the methods'
+example inputs, whose zero KV caches are float32 and the context's size, are held from the export to the lowering's
+re-export (Gemma-4-E4B at 32768: 2.1 GB); and a shard's compile grows with the cache inputs its graphs take, by
+`_COMPILE_BYTES_PER_CACHE_BYTE` per byte. Before c70592c the example inputs were held twice and to the end of the
+export: Gemma-4-E4B at 32768 in the 16 GB cgroup, estimated at 9.4 GB with the context left out, was killed for
+memory in its last shard's compile (benchmarks/contexts.json). The prefill length is taken as measured (128). When
+nothing fits, the refusal names the largest power-of-two context that does. Every figure this module returns is an
 estimate; every message that shows one says so. GB here is 2**30 bytes, as in the exporter's stage table.
 """
 
@@ -62,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optimum_qnn.config import EmbeddingQuant, ExportConfig, QuantScheme, WeightRanges, WeightRounding
+from optimum_qnn.contract import CacheLayout
 from optimum_qnn.errors import InvalidInputError
 # The host's memory is core (the runtime reads it too); its names stay importable from here.
 from optimum_qnn.host_memory import (  # noqa: F401
@@ -110,6 +117,12 @@ _MEASURED_TABLE_BYTES = 4 / 8 + 2 / 32  # 4-bit symmetric in groups of 32, an fp
 # (benchmarks/memory_fit.py: 0.50 GB, Gemma-4-E4B's quantize stage).
 FIT_ERROR_GB = 0.5  # the largest underestimate of a measured stage, rounded up: the margin a shard choice keeps
 FIT_MAX_ERROR_GB = 0.5  # the largest error either way (an overestimate only costs a shard more)
+# What the context adds to a shard's compile, per byte of the KV cache inputs its graphs take (its own layers' caches
+# and the earlier shards' caches its KV-reusing layers join, every method): the one measured shard the per-parameter
+# figure underestimated, Gemma-4-E2B at 32768 (blocks layout, 4 shards; benchmarks/contexts.json, the compile log):
+# shard 1's worker grew 6882 MiB where its 646 M parameters give 6224, with 395 MiB of uint16 cache inputs, 1.67 per
+# byte, rounded up. Gemma-4-E4B at 8192 and 32768 (7 shards) stayed under the per-parameter figure in every shard.
+_COMPILE_BYTES_PER_CACHE_BYTE = 1.7
 
 
 
@@ -149,7 +162,9 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
     table_extra = counts.tables * max(0.0, _table_bytes_per_param(tables) - _MEASURED_TABLE_BYTES) / GB_BYTES
     float_model = counts.total * 4 / GB_BYTES if evaluate else 0.0  # the float32 Hugging Face model kept for --evaluate
     starts = counts.shard_starts(shards) if starts is None else starts
-    shard = counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra) / GB_BYTES
+    examples, shard_caches = cache_bytes(counts, config, starts)
+    shard = (counts.largest_shard(starts) * (_SHARD_BYTES_PER_PARAM + weight_extra)
+             + _COMPILE_BYTES_PER_CACHE_BYTE * max(shard_caches, default=0)) / GB_BYTES
     stages = {}
     for name, (a, b) in _STAGE_FIT.items():
         if not quantized and name in ("calibrate", "quantize"):
@@ -160,6 +175,8 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
         if name == "lower":
             stages[name] = _LOWER_BASE + _LOWER_RESIDENT * (table + rest) + shard + held
             continue
+        if name in ("export", "calibrate", "quantize"):
+            held += examples / GB_BYTES  # the methods' example inputs, let go when the lowering re-exported them
         stages[name] = _BASE + a * table + b * rest + held
         if shards == 1 and name in ("inspect", "write"):
             # One shard compiles in this process (no worker), and what the compiler took stays with it (measured on
@@ -171,6 +188,41 @@ def estimate(counts: ParameterCounts, config: ExportConfig, shards: int, *, eval
         stages = {"plan": stages["calibrate"] + plan_gib(counts, config), **stages}
         stages["calibrate"] += hessian_gib(counts) if config.weight_rounding is WeightRounding.GPTQ else 0.0
     return MemoryEstimate({k: round(v, 2) for k, v in stages.items()}, shards, starts)
+
+
+def cache_bytes(counts: ParameterCounts, config: ExportConfig, starts: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """What the KV caches weigh at this export's context, from the config: the bytes of the methods' example inputs'
+    caches (float32 zeros, summed over the methods), and per shard the bytes of the cache inputs its graphs take (its
+    layers' own caches and those its KV-reusing layers read from an earlier shard, at the graphs' IO element size,
+    summed over the methods). (0, ()) when the context is not resolved or the layers are unknown: the fit's rows
+    (context 1024) then stand for it."""
+    context = config.shapes.max_seq_len
+    if context is None or not counts.cache_layers:
+        return 0, ()
+    from optimum_qnn.contract import DECODE_METHOD, PREFILL_METHOD, RunnerContract
+    from optimum_qnn.exporter.htp_limits import call_lengths, integer_io_bytes
+
+    ar_lens = dict(zip((DECODE_METHOD, PREFILL_METHOD), call_lengths(config)))
+    try:
+        contract = RunnerContract.build(counts.cache_layers, vocab_size=counts.vocab_size or 1, context_len=context,
+                                        ar_lens=ar_lens, sliding_window=counts.sliding_window,
+                                        cache_layout=config.shapes.cache_layout or CacheLayout.FULL,
+                                        block_len=config.shapes.cache_block_len)
+    except ValueError:  # a layout that cannot be built: the preflight refuses it with its reason
+        return 0, ()
+    layers = counts.cache_layers
+    per_layer = {}  # cache-owning layer -> its cache inputs' elements, summed over the methods
+    for layer in layers:
+        if layer.owns_cache:
+            names = {n for m in contract.methods for kind in ("k", "v") for n in contract.cache_input_names(kind, layer, m.name)}
+            per_layer[layer.index] = sum(math.prod(t.shape) for m in contract.methods for t in m.inputs if t.name in names)
+    io_element = integer_io_bytes(config) or 4
+    bounds = (0, *starts, len(layers))
+    shards = tuple(
+        sum(per_layer[source] for source in {l.kv_source for l in layers[lo:hi]}) * io_element
+        for lo, hi in zip(bounds, bounds[1:])
+    )
+    return sum(per_layer.values()) * 4, shards
 
 
 def _weight_extra_bytes(counts: ParameterCounts, config: ExportConfig) -> float:
@@ -312,12 +364,38 @@ def _refusal(plan: MemoryPlan, counts: ParameterCounts, config: ExportConfig, ev
         peak = estimate(counts, variant, shards, evaluate=evaluates).peak
         if peak < est.peak - 0.05:
             fixes.append(f"{flag}: estimated peak {peak:.1f} GB")
+    shorter = _shorter_context(counts, config, shards, evaluate, plan.budget_gib)
+    if shorter is not None:
+        fixes.append(f"--max-seq-len {shorter[0]} (the caches' share of the estimate shrinks with the context): "
+                     f"estimated peak {shorter[1]:.1f} GB")
     if len(fixes) == 1:
         fixes.append("no flag of this exporter lowers this estimate")
     return (f"This export needs an estimated {est.peak:.1f} GB at its peak ({est.peak_stage} stage, {est.shards} "
             f"shard(s)), more than the budget of {plan.budget_gib:.1f} GB ({plan.budget_source}); it would be killed "
             f"for memory, so it stops before loading any weight. Estimated per-stage peaks in GB (fitted to measured "
             f"exports, {_count(counts.total)} parameters): {stages}. To fix: " + "; ".join(fixes))
+
+
+def _shorter_context(counts: ParameterCounts, config: ExportConfig, shards: int, evaluate: bool,
+                     budget: float) -> tuple[int, float] | None:
+    """The largest power-of-two context below this export's (1024 at least) whose estimate fits ``budget``, with its
+    peak; None when the context is not what it takes. The blocks layout is kept while the context is longer than a
+    block, the full layout taken below."""
+    shapes = config.shapes
+    if shapes.max_seq_len is None or not counts.cache_layers:
+        return None
+    context = 1 << (shapes.max_seq_len - 1).bit_length() - 1  # the power of two below
+    while context >= 1024 and context > shapes.prefill_ar_len:
+        layout, block = shapes.cache_layout, shapes.cache_block_len
+        if block is not None and block >= context - shapes.prefill_ar_len:
+            layout, block = CacheLayout.FULL, None
+        shorter = dataclasses.replace(config, shapes=dataclasses.replace(
+            shapes, max_seq_len=context, cache_layout=layout, cache_block_len=block))
+        peak = estimate(counts, shorter, shards, evaluate=evaluate).peak
+        if peak <= budget:  # what `choose_memory_plan` takes when no shard count leaves its margin
+            return context, peak
+        context //= 2
+    return None
 
 
 def _count(n: int) -> str:

@@ -46,6 +46,11 @@ class ParameterCounts:
     linears: int = 0  # HTP linears
     linear_inputs: int = 0  # sum of their in_features: the plan's input rows for output-MSE ranges hold these
     linear_outputs: int = 0  # sum of their out_features: the sensitivity probes hold outputs of these widths
+    # How the layers attend (`gemma4_layer_specs`), the window and the vocabulary: the KV caches' sizes at a context
+    # (`memory.cache_bytes`); empty when counted from parameters alone.
+    cache_layers: tuple = ()
+    sliding_window: int | None = None
+    vocab_size: int = 0
 
     @classmethod
     def from_config(cls, text_config) -> "ParameterCounts":
@@ -71,10 +76,14 @@ class ParameterCounts:
                 layers[int(name.split(".layers.")[1].split(".")[0])] += p.numel()
             else:
                 other += p.numel()
+        from optimum_qnn.models.gemma4.modules import gemma4_layer_specs
+
         dtype = str(getattr(text_config, "dtype", None) or "bfloat16").removeprefix("torch.")
+        window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
         return cls(token, per_layer, tuple(layers), other, _STORED_BYTES.get(dtype, 2),
                    sum(n * n for n in in_features), len(in_features), sum(in_features),
-                   sum(mod.out_features for mod in linears))
+                   sum(mod.out_features for mod in linears), gemma4_layer_specs(text_config), window,
+                   text_config.vocab_size)
 
     def as_dict(self) -> dict[str, int]:
         return {"token_table": self.token_table, "per_layer_table": self.per_layer_table, "layers": sum(self.layers),
