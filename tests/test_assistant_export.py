@@ -102,6 +102,40 @@ def assistant_export(assistant_pair, tmp_path_factory, qnn_sdk):
 UNSHARED = ("--no-weight-sharing", "--shards", "2")
 
 
+def test_the_drafter_calibrates_with_lookups_of_the_rows_it_reads(assistant_pair, tmp_path, monkeypatch):
+    """The drafter's calibration runs the target eagerly; over quantized tables each lookup dequantizes the rows it
+    reads, as the target's own calibration does (ExecuTorch's reference lookup dequantizes the whole table per call:
+    9.4 GB in float32 for Gemma-4-E2B's per-layer table, and the full-size export with a drafter was killed for memory
+    there). Stopped once the drafter is quantized: nothing is lowered."""
+    import optimum_qnn.exporter.assistant as drafting
+    from executorch.exir.passes import _quant_patterns_and_replacements as reference
+
+    rows: list[int] = []
+    for name in ("embedding_4bit_dtype", "embedding_byte_dtype"):  # what the row lookups call on the gathered rows
+        def recording(weight, *args, _kernel=getattr(reference, name), **kwargs):
+            rows.append(weight.shape[0])
+            return _kernel(weight, *args, **kwargs)
+        monkeypatch.setattr(reference, name, recording)
+
+    class Quantized(Exception):
+        pass
+
+    quantize = drafting.quantize_for_export
+
+    def quantizing(*args, **kwargs):
+        rows.clear()  # the target's own calibration, before
+        quantize(*args, **kwargs)
+        raise Quantized
+
+    monkeypatch.setattr(drafting, "quantize_for_export", quantizing)
+    target, assistant = assistant_pair
+    with pytest.raises(Quantized):  # tables quantized by default (16a8w)
+        _main(["export", "--model", target, "--output", tmp_path / "out", "--assistant", assistant, "--soc", "SM8650",
+               "--quant", "16a8w", "--max-seq-len", CTX, "--prefill-ar-len", PREFILL, "--draft-len", K])
+    vocab = tiny_config().vocab_size
+    assert rows and max(rows) < vocab, rows  # every lookup of the drafter's calibration gathered its rows
+
+
 def test_the_variant_records_its_assistant_and_holds_draft_forward(assistant_export, assistant_pair):
     from optimum_qnn.artifacts.inspection.pte import qnn_delegates
 

@@ -121,6 +121,7 @@ def quantize_drafter(drafter: StaticDrafter, program: torch.export.ExportedProgr
         RuntimeError: an input's encoding does not come out as the target's.
     """
     from optimum_qnn.progress import bar
+    from optimum_qnn.quantization.kernels import row_gather_lookups
     from optimum_qnn.quantization.pt2e import make_quantizer, quantize
 
     quantizer = make_quantizer(config.quant, block_size=config.block_size, soc=config.socs[0])
@@ -128,8 +129,11 @@ def quantize_drafter(drafter: StaticDrafter, program: torch.export.ExportedProgr
     fixed = target_encodings(spec, target) if target is not None else {}
 
     def calibrate(prepared) -> None:
-        for first in bar(first_draft_steps(drafter, seqs), "Calibrating the drafter", "round"):
-            run_round(prepared, first, spec, config.draft_len)
+        # The target runs eagerly here, and ExecuTorch's reference lookups dequantize a whole table per call
+        # (Gemma-4-E2B's per-layer table: 9.4 GB in float32; the full-size export was killed for memory here).
+        with row_gather_lookups():
+            for first in bar(first_draft_steps(drafter, seqs), "Calibrating the drafter", "round"):
+                run_round(prepared, first, spec, config.draft_len)
         if fixed:
             set_input_observers(prepared, spec, fixed)
 
