@@ -43,6 +43,7 @@ from optimum_qnn.exporter.edge import (
     copy_sharing_tensors,
     export_method,
     lower_edge,
+    release_example_inputs,
     to_edge,
     to_edge_in_parallel,
 )
@@ -190,15 +191,6 @@ def lower_to_pte(
         soc, weight_sharing=weight_sharing, shared_buffer=shared_buffer, workers=workers,
         memory_budget_gb=memory_budget_gb, path=path, keep=False,
     )
-
-
-def release_example_inputs(edge: EdgeProgramManager, methods: Collection[str]) -> None:
-    """Let the edge programs' example inputs go: the re-export traced with them, and nothing after it runs a graph
-    (partitioning, compiling and serializing read shapes from the graphs' metadata). A language model's are its zero
-    KV caches in float32, the context's size: 3.5 GB per method for Gemma-4-E4B at 32768 tokens, held through the
-    lowering beside the QNN compiles."""
-    for name in methods:
-        edge.exported_program(name).example_inputs = None
 
 
 class EdgeLowering:

@@ -321,7 +321,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     # Balanced by parameters (`ParameterCounts.shard_starts`); a drafter splits into as many partitions.
     shard_starts = dict.fromkeys(methods, memory.estimate.starts)
     # One set of example inputs per method, the export's and the lowering's re-export's: its zero caches are the
-    # context's size in float32 (3.5 GB per method for Gemma-4-E4B at 32768), and no stage after the re-export needs
+    # context's size in float32 (about 1 GB per method for Gemma-4-E4B at 32768), and no stage after the re-export needs
     # them (`EdgeLowering.prepare` lets them go).
     examples = {name: static.example_inputs(name) for name in methods}
     with _stage(result, "export"):
