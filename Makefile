@@ -18,11 +18,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# Two test processes (pytest-xdist), a file at a time each, dealt in the order tests/conftest.py sorts them (the
+# longest first, not xdist's most-tests-first); exports both need are built once per run (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
