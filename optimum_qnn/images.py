@@ -280,12 +280,14 @@ def encoder_inputs(pixel_values: np.ndarray, image_position_ids: np.ndarray, geo
     pooling = np.zeros((geometry.soft_tokens, geometry.max_patches), dtype=np.float32)
     pooling[token[real], np.flatnonzero(real)] = 1.0 / k**2
     num_soft = int(real.sum()) // k**2
+    # Fresh C-ordered copies: a `[None]` view has stride 0 on its new axis, which ExecuTorch refuses in an input
+    # ("0 in strides is not supported").
     return EncoderInputs(
-        pixel_values=pixel_values[None],
-        position_x=clamped[None, :, 0].astype(np.int32),
-        position_y=clamped[None, :, 1].astype(np.int32),
-        valid=real.astype(np.float32)[None, :, None],
-        attention_mask=np.where(real, 0.0, MASK_MIN).astype(np.float32)[None, None, None, :],
-        pooling=pooling[None],
+        pixel_values=np.array(pixel_values[None], order="C"),
+        position_x=np.array(clamped[None, :, 0], dtype=np.int32, order="C"),
+        position_y=np.array(clamped[None, :, 1], dtype=np.int32, order="C"),
+        valid=np.array(real[None, :, None], dtype=np.float32, order="C"),
+        attention_mask=np.array(np.where(real, 0.0, MASK_MIN)[None, None, None, :], dtype=np.float32, order="C"),
+        pooling=np.array(pooling[None], order="C"),
         num_soft_tokens=num_soft,
     )

@@ -40,31 +40,25 @@ ENCODER_OUTPUT = "image_embeds"
 class StaticClippableLinear(nn.Module):
     """A linear whose input and output are clamped to ranges stored in the checkpoint.
 
-    Infinite bounds (the default of a tower without clipping, and of ``use_clipped_linears=False``) are left out of
-    the graph: the clamp is a no-op there, and an infinite constant has no quantization encoding.
+    The bounds become constants of the graph (Python floats read from the checkpoint's scalar buffers): QNN has no
+    clamp with tensor bounds, and with them each of the tiny tower's 28 clamps stayed on the CPU, cutting the graph
+    into 17 QNN partitions. Infinite bounds (a tower without clipping) are left out: the clamp is a no-op there.
     """
 
     def __init__(self, module: hf.Gemma4ClippableLinear, ctx: SwapContext):
         super().__init__()
         self.linear = module.linear
-        self.bounds: dict[str, tuple[str | None, str | None]] = {}
+        self.bounds: dict[str, tuple[float | None, float | None]] = {}
         for side in ("input", "output"):
-            names = []
+            ends = []
             for end in ("min", "max"):
-                name = f"{side}_{end}"
-                buffer = getattr(module, name, None) if module.use_clipped_linears else None
-                if buffer is not None and torch.isfinite(buffer).all():
-                    self.register_buffer(name, buffer)
-                    names.append(name)
-                else:
-                    names.append(None)
-            self.bounds[side] = (names[0], names[1])
+                buffer = getattr(module, f"{side}_{end}", None) if module.use_clipped_linears else None
+                ends.append(float(buffer) if buffer is not None and torch.isfinite(buffer).all() else None)
+            self.bounds[side] = (ends[0], ends[1])
 
     def _clamp(self, x: torch.Tensor, side: str) -> torch.Tensor:
         low, high = self.bounds[side]
-        if low is None and high is None:
-            return x
-        return torch.clamp(x, getattr(self, low) if low else None, getattr(self, high) if high else None)
+        return x if low is None and high is None else torch.clamp(x, low, high)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._clamp(self.linear(self._clamp(x, "input")), "output")
