@@ -18,13 +18,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# Two test processes (pytest-xdist), a file at a time each, dealt in the order tests/conftest.py sorts them (the
-# longest first, not xdist's most-tests-first); exports both need are built once per run (tests/conftest.py).
+# One test process. `-n 2 --dist loadfile` (pytest-xdist, installed) runs two, each export built once per run
+# (tests/conftest.py built_once), but test_blocks_emulator's 16a8w bound then fails (53.7 dB against 60): an order
+# dependence not yet found, so CI stays in one process until it is.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m "not slow"
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
