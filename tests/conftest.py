@@ -75,7 +75,7 @@ def run_python() -> RunPython:
 
 
 # --- builds shared by the processes of one run ------------------------------------------------------------------
-# `make test` runs the suite in two processes (pytest-xdist, a test file per process at a time). An export the tests of
+# The suite may run in two processes (`pytest -n 2 --dist loadfile`; `make test` runs one). An export the tests of
 # both use is built once per run, by whichever process asks first, under a lock; the other waits and reads it.
 
 T = TypeVar("T")
