@@ -23,6 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +38,17 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig, 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0, 1, 2, 3: Gemma's pad/eos/bos convention
 VOCAB = 512
 BENCH_VOCAB = 2048
-RECIPE_VERSION = 1  # bump when anything below changes, so cached builds are rebuilt
+RECIPE_VERSION = 2  # bump when anything below changes, so cached builds are rebuilt (2: portable kernels)
 # Training runs on this many threads whatever the machine or the calling process has set: the split of each
 # kernel's sums depends on it, so the weights (and every figure measured on them) do. 2 is what they were measured with.
 TRAIN_THREADS = 2
+# The CPU kernels torch (ATen's AVX2 / AVX-512 builds), MKL (a path per vendor and ISA) and oneDNN pick depend on the
+# machine, and each sums in its own order: with one seed and one thread count, an AMD EPYC without AVX-512 and an
+# Intel Xeon with it trained different weights, so every figure and near tie the tests meet moved with the machine
+# CI happened to run on. Training runs with the kernels every x86-64 CPU has, in a process started with them (they
+# are read when torch loads): 30 steps gave one weights' hash with MKL held to SSE4.2 or not, and another under each
+# of the four native combinations.
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
 CHAT_VERSION = 1  # the demo's chat template (bump on change; the bench model has none)
 
 # Gemma4's chat layout (the real checkpoints ship their own template in their tokenizer files): an optional system
@@ -162,9 +172,20 @@ def build(out: Path, steps: int | None = None, size: str = "demo") -> Path:
     out = Path(out)
     if is_built(out, steps, size):
         return out
+    if not trains_here(Path(__file__), [str(out), "--size", size, *(["--steps", str(steps)] if steps else [])]):
+        return out
     with reproducible():
         _build(out, size, steps)
     return out
+
+
+def trains_here(script: Path, args: list[str]) -> bool:
+    """Whether this process was started with `PORTABLE_KERNELS` (then the caller trains in it); otherwise runs
+    ``script args`` in a child process that is, and returns False once it has built (its output passes through)."""
+    if all(os.environ.get(k) == v for k, v in PORTABLE_KERNELS.items()):
+        return True
+    subprocess.run([sys.executable, str(script), *args], env={**os.environ, **PORTABLE_KERNELS}, check=True)
+    return False
 
 
 def is_built(out: Path, steps: int | None = None, size: str = "demo") -> bool:

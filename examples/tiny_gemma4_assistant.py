@@ -153,6 +153,8 @@ def build(target_dir: Path, out: Path, steps: int | None = None) -> Path:
     out = Path(out)
     if is_built(target_dir, out, steps):
         return out
+    if not tiny_gemma4.trains_here(Path(__file__), [str(target_dir), str(out), *(["--steps", str(steps)] if steps else [])]):
+        return out
     with tiny_gemma4.reproducible(TRAIN_THREADS):
         _build(Path(target_dir), out, steps)
     return out
