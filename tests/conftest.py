@@ -386,3 +386,21 @@ def block4_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
 
     return built_once(tmp_path_factory, "block4", build)
 
+
+# --- the order files are dealt in ---------------------------------------------------------------------------------
+# Under `make test` (xdist, --dist loadfile --no-loadscope-reorder) each process takes the next file in collection
+# order when it is free: the longest files go first, so that neither process is left alone with a long one at the end.
+# Ranked by the summed test times of one two-process run (`--junitxml`; measured on a busy host: the order, not the
+# seconds, is what is kept).
+LONGEST_FILES = (
+    "tests/runtime/backends/test_ort_program.py", "tests/test_lookahead.py", "tests/test_blocks_emulator.py",
+    "tests/test_chat.py", "tests/test_window_chunks.py", "tests/test_weights.py", "tests/test_assistant_export.py",
+    "tests/test_export.py", "tests/models/gemma4/test_assistant_lowering.py", "tests/models/gemma4/test_vision_lowering.py",
+    "tests/runtime/test_speculative_assistant.py", "tests/test_bad_input.py", "tests/models/gemma4/test_parity.py",
+    "tests/test_console.py", "tests/test_lowering.py", "tests/test_runtime_venv.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
