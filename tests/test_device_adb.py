@@ -182,7 +182,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
                 "inference_start_ms": 2000, "first_token_ms": 2020, "inference_end_ms": 2300}
     reply.write_text(json.dumps({"text": text, "observer": observer}))
     model = load(artifact)
-    assert type(model.backend).__name__ == "RunnerBackend" and model.device == "adb:PHONE1"
+    assert type(model.backend).__name__ == "RunnerBackend" and model.device_name == "adb:PHONE1"
     assert sorted(phone.pushed()) == sorted([
         "qnn_llama_runner", "libqnn_executorch_backend.so", "libQnnHtp.so", "libQnnHtpV75Stub.so",
         "libQnnHtpPrepare.so", "libQnnSystem.so", "libQnnHtpV75Skel.so", "model.pte", "tokenizer.json",

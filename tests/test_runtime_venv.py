@@ -45,7 +45,7 @@ for folder in args["folders"]:
     for prompt in args["prompts"]:
         ids = model.generate(prompt, max_new_tokens=args["new"], eos_token_id=[])
         tokens.append(ids[0, len(prompt):].tolist())
-    out[folder] = {"tokens": tokens, "device": model.device}
+    out[folder] = {"tokens": tokens, "device": model.device_name}
 if args.get("chat"):
     class Collect:
         def __init__(self): self.tokens = []
