@@ -199,7 +199,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
 
     prompt = [2, 40, 41, 42, 43]
     out = model.generate(torch.tensor(prompt), max_new_tokens=len(ids), streamer=Streamer())
-    assert out.tolist() == [prompt + ids] and streamed == ids + ["end"]
+    assert out.tolist() == [prompt + ids] and streamed == prompt + ids + ["end"]  # the prompt first, as transformers
     seen = json.loads(record.read_text())
     argv = seen["argv"]
     flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}

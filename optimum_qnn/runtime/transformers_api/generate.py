@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection
 import numpy as np
 
 from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
-from optimum_qnn.ops.arrays import as_numpy, is_torch
+from optimum_qnn.ops.arrays import as_numpy, is_torch, like
 from optimum_qnn.runtime.generation import Sampling, check_generate_args, prompt_ids
 from optimum_qnn.runtime.transformers_api.choosing import RowChooser, torch_available
 from optimum_qnn.runtime.transformers_api.options import GLOBAL_DEFAULTS, HONOURED, NEUTRAL, GenerateOptions, resolve
@@ -85,8 +85,8 @@ def hf_generate(model: Any, input_ids: Any = None, attention_mask: Any = None, g
     if streamer is not None and len(rows) * n != 1:
         raise InvalidInputError(f"a streamer takes one sequence; this call makes {len(rows) * n} (a batch of "
                                 f"{len(rows)}, num_return_sequences={n}): stream one prompt at a time")
-    if streamer is not None:  # transformers hands a streamer the prompt first (TextStreamer skips it if asked)
-        streamer.put(_like(input_ids, np.asarray([rows[0]], dtype=np.int64), use_torch))
+    if streamer is not None:  # transformers hands a streamer the input first (TextStreamer skips it if asked)
+        streamer.put(input_ids if is_torch(input_ids) else np.asarray(input_ids, dtype=np.int64))
     outputs: list[tuple[list[int], RowChooser]] = []
     for r, row in enumerate(rows):
         row_extra = {k: v[r: r + 1] for k, v in extra.items()}
@@ -217,7 +217,7 @@ def _assemble(input_ids: Any, rows: list[list[int]], pads: list[int], outputs: l
     for i, (new, _) in enumerate(outputs):
         r = i // n
         seqs.append([pad_id] * pads[r] + rows[r] + new + [pad_id] * (longest - len(new)))
-    sequences = _like(input_ids, np.asarray(seqs, dtype=np.int64), use_torch)
+    sequences = like(input_ids, np.asarray(seqs, dtype=np.int64))
     if not options.return_dict_in_generate:
         return sequences
     fields: dict[str, Any] = {"sequences": sequences}
@@ -228,21 +228,12 @@ def _assemble(input_ids: Any, rows: list[list[int]], pads: list[int], outputs: l
             per_step = []
             for t in range(longest):  # a row that ended has no choice at this step: -inf, no token was scored
                 per_step.append(np.stack([s[t] if t < len(s) else np.full(vocab, -np.inf, np.float32) for s in steps]))
-            fields[name] = tuple(_like(input_ids, step, use_torch) for step in per_step)
+            fields[name] = tuple(like(input_ids, step) for step in per_step)
     if use_torch:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         return GenerateDecoderOnlyOutput(**fields)
     return GenerateOutput(**fields)
-
-
-def _like(input_ids: Any, result: np.ndarray, use_torch: bool) -> Any:
-    """``result`` as a torch tensor when the caller gave one, else numpy."""
-    if is_torch(input_ids):
-        import torch
-
-        return torch.from_numpy(np.ascontiguousarray(result))
-    return result
 
 
 class GenerateOutput(dict):

@@ -1,0 +1,211 @@
+"""The transformers face of `QNNModelForCausalLM` (issue 64): `generate(**tokenizer(...))` gives transformers' own ids
+for the same inputs and options, streamers and `pipeline()` agree with it, the attributes code reads are there, a
+saved variant loads again, the Python API prints nothing, and the runtime install runs the numpy path.
+
+All on the session's fp16 demo export (no new export), against `Gemma4ForCausalLM` loaded from the demo model.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
+
+PROMPT = "The for statement is used to"
+BATCH = ["The for statement", "Assignment statements are used to bind"]
+
+
+@pytest.fixture(scope="module")
+def tok(fp16_export):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fp16_export.output)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf(demo_model_dir, fp16_model):
+    from optimum_qnn.models.gemma4.loading import load_text_model
+
+    model = load_text_model(demo_model_dir)[0]
+    model.generation_config = fp16_model.generation_config  # the artifact keeps the checkpoint's
+    return model
+
+
+CASES = {
+    "greedy": dict(max_new_tokens=10),
+    "min_new_tokens": dict(max_new_tokens=12, min_new_tokens=12),
+    "repetition_penalty": dict(max_new_tokens=12, repetition_penalty=1.5),
+    "max_length": dict(max_length=14),
+    "stop_strings": dict(max_new_tokens=20, stop_strings=["the"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_gives_transformers_ids(fp16_model, hf, tok, case):
+    kwargs = dict(CASES[case], **({"tokenizer": tok} if "stop_strings" in CASES[case] else {}))
+    inputs = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        ref = hf.generate(**inputs, **kwargs)
+    out = fp16_model.generate(**inputs, **kwargs)
+    assert isinstance(out, torch.Tensor) and out.tolist() == ref.tolist()
+    if case == "stop_strings":  # it stopped on the string, before max_new_tokens
+        assert out.shape[1] - inputs["input_ids"].shape[1] < 20 and tok.decode(out[0]).endswith("the")
+
+
+def test_a_left_padded_batch_of_two_gives_transformers_ids(fp16_model, hf, tok):
+    batch = tok(BATCH, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"] == 0).any()  # one row is padded
+    with torch.no_grad():
+        ref = hf.generate(**batch, max_new_tokens=8)
+    assert fp16_model.generate(**batch, max_new_tokens=8).tolist() == ref.tolist()
+
+
+def test_seeded_sampling_repeats_and_draws_as_transformers(fp16_model, hf, tok):
+    from transformers import set_seed
+
+    inputs = tok(PROMPT, return_tensors="pt")
+    runs = []
+    for seed_with in (torch.manual_seed, set_seed, torch.manual_seed):
+        seed_with(3)
+        runs.append(fp16_model.generate(**inputs, max_new_tokens=10, do_sample=True, top_k=0).tolist())
+    torch.manual_seed(3)
+    with torch.no_grad():
+        ref = hf.generate(**inputs, max_new_tokens=10, do_sample=True, top_k=0).tolist()
+    assert runs[0] == runs[1] == runs[2] == ref
+    torch.manual_seed(4)
+    assert fp16_model.generate(**inputs, max_new_tokens=10, do_sample=True, top_k=0).tolist() != ref
+    torch.manual_seed(5)
+    many = fp16_model.generate(**inputs, max_new_tokens=6, do_sample=True, num_return_sequences=3)
+    assert many.shape[0] == 3 and len({tuple(r) for r in many.tolist()}) > 1  # sampled rows one after another
+
+
+def test_streamers_text_equals_the_output(fp16_model, tok, capsys):
+    from transformers import TextIteratorStreamer, TextStreamer
+
+    inputs = tok(PROMPT, return_tensors="pt")
+    out = fp16_model.generate(**inputs, max_new_tokens=10, min_new_tokens=10, streamer=TextStreamer(tok))
+    assert capsys.readouterr().out == tok.decode(out[0]) + "\n"
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=fp16_model.generate(
+        **inputs, max_new_tokens=10, min_new_tokens=10, streamer=streamer)))
+    worker.start()
+    text = "".join(streamer)
+    worker.join()
+    assert text == tok.decode(result["out"][0, inputs["input_ids"].shape[1]:]) and text.strip()
+
+
+def test_pipeline_outputs_equal_generate_decoded(fp16_model, tok, caplog):
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=fp16_model, tokenizer=tok)
+    options = dict(max_new_tokens=8, do_sample=False)
+
+    def decoded(text: str, *, full: bool = True) -> str:
+        ids = tok(text, return_tensors="pt")
+        out = fp16_model.generate(**ids, **options)
+        return tok.decode(out[0] if full else out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    assert pipe(PROMPT, **options) == [{"generated_text": decoded(PROMPT)}]
+    assert pipe(BATCH, return_full_text=False, **options) == [[{"generated_text": decoded(t, full=False)}] for t in BATCH]
+    messages = [{"role": "user", "content": "for"}]
+    (chat,) = pipe(messages, **options)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = fp16_model.generate(**ids, **options)
+    reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert chat["generated_text"][-1] == {"role": "assistant", "content": reply}
+    assert not [r for r in caplog.records if "is not supported for text-generation" in r.getMessage()]
+
+
+def test_the_attributes_code_reads(fp16_model, demo_model_dir):
+    from transformers import GenerationConfig
+
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    assert fp16_model.config.model_type == config["model_type"]
+    assert fp16_model.config.vocab_size == fp16_model.contract.vocab_size
+    assert isinstance(fp16_model.generation_config, GenerationConfig)
+    assert fp16_model.generation_config.eos_token_id == 1  # the checkpoint's generation_config.json
+    assert fp16_model.device == torch.device("cpu") and fp16_model.dtype == torch.float32
+    assert fp16_model.device_name.startswith("host:")
+    assert fp16_model.to("cpu") is fp16_model.eval() is fp16_model.cpu() is fp16_model
+    assert fp16_model.can_generate()
+
+
+def test_return_dict_with_scores(fp16_model, tok):
+    inputs = tok(PROMPT, return_tensors="pt")
+    out = fp16_model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True,
+                              output_scores=True, output_logits=True)
+    new = out.sequences[0, inputs["input_ids"].shape[1]:]
+    assert len(out.scores) == len(out.logits) == 4
+    assert [int(s[0].argmax()) for s in out.scores] == new.tolist()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_beams=2), "num_beams=2"),
+    (dict(assistant_model=object()), "assistant_model"),
+    (dict(output_attentions=True), "output_attentions"),
+    (dict(typical_p=0.5, do_sample=True), "typical_p"),
+    (dict(num_return_sequences=2), "needs do_sample=True"),
+    (dict(stop_strings=["x"]), "needs the tokenizer"),
+    (dict(max_new_tokens=3, frobnicate=1), "unexpected keyword argument.*frobnicate"),
+    (dict(pixel_values=torch.zeros(1)), "unexpected keyword argument.*pixel_values"),
+    (dict(past_key_values=object()), "past_key_values"),
+])
+def test_what_the_program_cannot_do_is_refused_by_name(fp16_model, tok, kwargs, match):
+    with pytest.raises(InvalidInputError, match=match):
+        fp16_model.generate(**tok(PROMPT, return_tensors="pt"), **kwargs)
+
+
+def test_right_padding_and_speculative_history_are_refused(fp16_model, tok):
+    ids = torch.tensor([[40, 41, 0]])
+    with pytest.raises(InvalidInputError, match="left padding"):
+        fp16_model.generate(ids, attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=2)
+    with pytest.raises(UnsupportedParameterError, match="repetition_penalty"):
+        fp16_model.generate(**tok(PROMPT, return_tensors="pt"), repetition_penalty=1.2, speculative="lookahead")
+
+
+def test_numpy_in_numpy_out_with_the_numpy_rules(fp16_model, tok):
+    """A numpy generator selects the numpy rules (the runtime install's): the same ids as transformers' processors."""
+    inputs = tok(PROMPT, return_tensors="np")
+    rules = dict(max_new_tokens=10, min_new_tokens=10, repetition_penalty=1.5)
+    torch_ids = fp16_model.generate(**tok(PROMPT, return_tensors="pt"), **rules)
+    out = fp16_model.generate(**inputs, generation_config=rules, generator=np.random.default_rng(0))
+    assert isinstance(out, np.ndarray) and out.tolist() == torch_ids.tolist()
+    sampled = [fp16_model.generate(**inputs, max_new_tokens=8, do_sample=True, top_p=0.9,
+                                   generator=np.random.default_rng(11)).tolist() for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_save_pretrained_loads_again(fp16_model, tok, tmp_path):
+    from optimum_qnn import QNNModelForCausalLM
+
+    folder = fp16_model.save_pretrained(tmp_path / "saved")
+    again = QNNModelForCausalLM.from_pretrained(folder)
+    inputs = tok(PROMPT, return_tensors="pt")
+    assert again.generate(**inputs, max_new_tokens=6).tolist() == fp16_model.generate(**inputs, max_new_tokens=6).tolist()
+    with pytest.raises(InvalidInputError, match="already holds an artifact"):
+        fp16_model.save_pretrained(folder)
+
+
+QUIET = """
+import sys
+from transformers import AutoTokenizer
+from optimum_qnn import QNNModelForCausalLM
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = QNNModelForCausalLM.from_pretrained(sys.argv[1])
+out = model.generate(**tok("The for statement is used to", return_tensors="pt"), max_new_tokens=4)
+print(out.shape[1])
+"""
+
+
+def test_loading_and_generating_print_nothing_to_stderr(fp16_export, run_python):
+    proc = run_python("-c", QUIET, str(fp16_export.output))
+    assert proc.returncode == 0 and proc.stdout.strip().isdigit(), proc.stderr[-3000:]
+    assert proc.stderr == ""
