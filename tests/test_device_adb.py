@@ -285,7 +285,7 @@ def test_phone_path_kv_variant_callers_eos_text_and_sampling(artifact, setup, ph
     assert bytes(json.loads(record.read_text())["prompt"]) == struct.pack(f"<{len(want)}Q", *want)
 
     # Sampling: the temperature reaches the runner; what its sampler lacks is refused without a run.
-    model.generate(prompt, max_new_tokens=len(ids), do_sample=True, temperature=0.7)
+    model.generate(prompt, max_new_tokens=len(ids), do_sample=True, temperature=0.7, top_k=0)  # no top-k there
     argv = json.loads(record.read_text())["argv"]
     assert float(argv[argv.index("--temperature") + 1]) == 0.7
     runs = len(phone.calls("shell"))

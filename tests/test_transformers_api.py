@@ -57,6 +57,7 @@ def test_generate_gives_transformers_ids(fp16_model, hf, tok, case):
     assert isinstance(out, torch.Tensor) and out.tolist() == ref.tolist()
     if case == "stop_strings":  # it stopped on the string, before max_new_tokens
         assert out.shape[1] - inputs["input_ids"].shape[1] < 20 and tok.decode(out[0]).endswith("the")
+        assert fp16_model.stats.stopped_by == "stop_criteria"
 
 
 def test_a_left_padded_batch_of_two_gives_transformers_ids(fp16_model, hf, tok):
@@ -192,6 +193,11 @@ def test_save_pretrained_loads_again(fp16_model, tok, tmp_path):
     assert again.generate(**inputs, max_new_tokens=6).tolist() == fp16_model.generate(**inputs, max_new_tokens=6).tolist()
     with pytest.raises(InvalidInputError, match="already holds an artifact"):
         fp16_model.save_pretrained(folder)
+    plan = fp16_model.push_to_hub("me/gemma4-qnn", dry_run=True)  # the export's push, of the loaded variant
+    variant = fp16_model.variant.resolve().relative_to(fp16_model.root.resolve()).as_posix()
+    assert [c.variant for c in plan.commits] == [None, variant]
+    assert {"config.json", "generation_config.json", "qnn_index.json"} <= set(plan.files)
+    assert any(f.startswith(f"{variant}/") and f.endswith(".pte") for f in plan.files)
 
 
 QUIET = """
@@ -209,3 +215,59 @@ def test_loading_and_generating_print_nothing_to_stderr(fp16_export, run_python)
     proc = run_python("-c", QUIET, str(fp16_export.output))
     assert proc.returncode == 0 and proc.stdout.strip().isdigit(), proc.stderr[-3000:]
     assert proc.stderr == ""
+
+
+VENV_SCRIPT = r"""
+import json, sys
+import numpy as np
+from optimum_qnn import QNNModelForCausalLM
+args = json.loads(sys.argv[1])
+model = QNNModelForCausalLM.from_pretrained(args["folder"])
+ids, mask = np.array(args["ids"]), np.array(args["mask"])
+out = model.generate(input_ids=ids, attention_mask=mask, generation_config=args["config"])
+scored = model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=3, return_dict_in_generate=True,
+                        output_scores=True)
+stopped = model.generate(ids[1:], max_new_tokens=20, stop_strings=["the"], tokenizer=model.tokenizer())
+sampled = [model.generate(ids[1:], max_new_tokens=6, do_sample=True, generator=np.random.default_rng(5)).tolist()
+           for _ in range(2)]
+print("RESULT " + json.dumps({
+    "type": type(out).__name__, "out": out.tolist(), "scores": len(scored.scores),
+    "argmax": [int(s[0].argmax()) for s in scored.scores], "scored": scored.sequences.tolist(),
+    "stopped": model.tokenizer().decode(stopped[0].tolist()), "sampled": sampled,
+    "model_type": model.config.model_type, "eos": model.generation_config["eos_token_id"],
+}))
+"""
+
+
+def test_the_runtime_install_runs_the_numpy_path(fp16_model, fp16_export, tok, request):
+    """In a venv with neither torch nor transformers: numpy in and out, a dict generation_config, the numpy rules
+    giving transformers' ids (the processors here), scores, stop_strings and seeded sampling; nothing on stderr."""
+    import subprocess
+
+    from tests.test_runtime_venv import NO_FULL_STACK, _venv_env
+
+    python = request.getfixturevalue("runtime_venv")
+    batch = tok(BATCH, return_tensors="pt", padding=True)
+    config = {"max_new_tokens": 8, "min_new_tokens": 8, "repetition_penalty": 1.3}
+    ref = fp16_model.generate(**batch, **config).tolist()
+    args = {"folder": str(fp16_export.output), "ids": batch["input_ids"].tolist(),
+            "mask": batch["attention_mask"].tolist(), "config": config}
+    proc = subprocess.run([str(python), "-c", NO_FULL_STACK + VENV_SCRIPT, json.dumps(args)], capture_output=True, text=True,
+                          timeout=1800, env=_venv_env(), cwd=python.parent)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["type"] == "ndarray" and got["out"] == ref
+    assert got["scores"] == 3 and got["argmax"] == got["scored"][0][-3:]
+    assert got["stopped"].endswith("the") and got["sampled"][0] == got["sampled"][1]
+    assert got["model_type"] == fp16_model.config.model_type and got["eos"] == 1
+    assert proc.stderr == ""
+
+
+def test_defaults_are_transformers(fp16_model, hf, tok):
+    """No length given: 20 new tokens whatever the prompt's length, as transformers counts its default max_length."""
+    inputs = tok(BATCH[1], return_tensors="pt")
+    with torch.no_grad():
+        ref = hf.generate(**inputs, min_new_tokens=20)
+    out = fp16_model.generate(**inputs, min_new_tokens=20)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 20 and out.tolist() == ref.tolist()

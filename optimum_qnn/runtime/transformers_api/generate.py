@@ -166,11 +166,14 @@ def _refuse_what_the_backend_cannot(options: GenerateOptions, model: Any, choose
                   ("top_p", sampled and options.top_p not in (None, 1.0), "1.0"),
                   ("generator", sampled and generator is not None, "None")]
     for name, active, neutral in given:
-        if active:
-            raise UnsupportedParameterError(
-                f"{name} cannot be applied on {where}: it chooses tokens without it; pass {name}={neutral}, "
-                "or generate on a host device without speculative decoding", param=name, backend=where,
-            )
+        if not active:
+            continue
+        why = ("ExecuTorch's runner samples with a temperature only" if not chooses
+               else "its drafts and verification choose tokens without it")
+        raise UnsupportedParameterError(
+            f"{name} cannot be applied on {where}: {why}; pass {name}={neutral}, or generate on a host device "
+            "without speculative decoding", param=name, backend=where,
+        )
 
 
 def _run_row(model: Any, row: list[int], options: GenerateOptions, padded_len: int, chooser: RowChooser,
@@ -188,15 +191,25 @@ def _run_row(model: Any, row: list[int], options: GenerateOptions, padded_len: i
         sampling = Sampling(options.do_sample, options.temperature, top_k, options.top_p, generator)
     streams = streamer is not None and bool(getattr(model.backend, "streams", False))
 
+    criteria_hit = []
+
     def stop() -> bool:
-        return (cancel is not None and cancel()) or chooser.stopped()
+        if cancel is not None and cancel():
+            return True
+        if chooser.stopped():
+            criteria_hit.append(True)
+            return True
+        return False
 
     out = model.generate_tokens(
         row, max_new_tokens=options.new_tokens(padded_len), sampling=sampling, eos_token_id=options.eos_token_id,
         streamer=streamer if streams else None, cancel=stop if chooses else cancel, reuse_cache=reuse_cache,
         speculative=speculative, **row_extra,
     )
-    new = chooser.cut(as_numpy(out)[0, len(row):].tolist())
+    generated = as_numpy(out)[0, len(row):].tolist()
+    new = chooser.cut(generated)
+    if criteria_hit or len(new) < len(generated):  # a stopping criterion ended it, not the caller's cancel
+        model.stats.stopped_by = "stop_criteria"
     if streamer is not None and not streams:  # a runner's tokens come when it ends: stream the kept ones
         for token in new:
             streamer.put(np.array([token]))

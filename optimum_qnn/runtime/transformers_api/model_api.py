@@ -165,12 +165,12 @@ class TransformersModelMixin:
         return out
 
     def push_to_hub(self, repo_id: str, *, token: str | None = None, private: bool = False,
-                    revision: str | None = None, commit_message: str | None = None) -> Any:
+                    revision: str | None = None, commit_message: str | None = None, dry_run: bool = False) -> Any:
         """Upload the loaded variant to the Hub repo ``repo_id`` as the export's ``--push-to-hub`` does (one commit for
         the shared files, one for the variant; `artifacts.hub.push_to_hub`) from a `save_pretrained` copy.
 
         Returns:
-            The push plan, with ``commit_urls``.
+            The push plan, with ``commit_urls`` (``dry_run``: the plan only, nothing uploaded).
         """
         import tempfile
 
@@ -179,7 +179,7 @@ class TransformersModelMixin:
         with tempfile.TemporaryDirectory(prefix="optimum-qnn-push-") as tmp:
             folder = self.save_pretrained(Path(tmp) / "artifact")
             return push_to_hub(folder, repo_id, token=token, private=private, revision=revision,
-                               commit_message=commit_message)
+                               commit_message=commit_message, dry_run=dry_run)
 
 
 def _known_to_pipelines(name: str, tables: tuple[str, ...]) -> None:

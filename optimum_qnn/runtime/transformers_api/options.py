@@ -104,8 +104,12 @@ def resolve(model_config: Mapping[str, Any], generation_config: Any, kwargs: Map
     """The options of one call: ``kwargs`` over ``generation_config`` over ``model_config`` over `GLOBAL_DEFAULTS`;
     a field the program cannot honour, set to other than its default, raises `UnsupportedParameterError` naming it."""
     merged = dict(GLOBAL_DEFAULTS)
-    for layer in (model_config, config_dict(generation_config, "generation_config"), kwargs):
+    layers = (model_config, config_dict(generation_config, "generation_config"), kwargs)
+    for layer in layers:
         merged.update({k: v for k, v in layer.items() if v is not None})
+    if merged.get("max_new_tokens") is None and all(layer.get("max_length") is None for layer in layers):
+        # transformers' default max_length (20) counts new tokens only (``_prepare_generated_length``)
+        merged["max_new_tokens"] = GLOBAL_DEFAULTS["max_length"]
     for name, value in merged.items():
         if name in HONOURED or name in NEUTRAL or value == GLOBAL_DEFAULTS.get(name) or value in (None, False, [], {}):
             continue
