@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
+from tests.test_runtime_venv import NO_FULL_STACK, _venv_env, runtime_venv  # noqa: F401  (the venv fixture, shared)
 
 PROMPT = "The for statement is used to"
 BATCH = ["The for statement", "Assignment statements are used to bind"]
@@ -239,14 +240,12 @@ print("RESULT " + json.dumps({
 """
 
 
-def test_the_runtime_install_runs_the_numpy_path(fp16_model, fp16_export, tok, request):
+def test_the_runtime_install_runs_the_numpy_path(fp16_model, fp16_export, tok, runtime_venv):
     """In a venv with neither torch nor transformers: numpy in and out, a dict generation_config, the numpy rules
     giving transformers' ids (the processors here), scores, stop_strings and seeded sampling; nothing on stderr."""
     import subprocess
 
-    from tests.test_runtime_venv import NO_FULL_STACK, _venv_env
-
-    python = request.getfixturevalue("runtime_venv")
+    python = runtime_venv
     batch = tok(BATCH, return_tensors="pt", padding=True)
     config = {"max_new_tokens": 8, "min_new_tokens": 8, "repetition_penalty": 1.3}
     ref = fp16_model.generate(**batch, **config).tolist()
@@ -271,3 +270,38 @@ def test_defaults_are_transformers(fp16_model, hf, tok):
         ref = hf.generate(**inputs, min_new_tokens=20)
     out = fp16_model.generate(**inputs, min_new_tokens=20)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 20 and out.tolist() == ref.tolist()
+
+
+def test_on_the_runner_stop_strings_cut_and_what_it_cannot_apply_is_refused(fp16_export, tok, tmp_path, monkeypatch):
+    """ExecuTorch's runner chooses its own tokens (a stand-in answers here, as test_device_runner's): stop_strings cut
+    its output and its stream, and options it cannot apply are refused before it runs."""
+    from optimum_qnn import QNNModelForCausalLM
+    from tests.test_device_runner import _stand_in
+
+    monkeypatch.setenv("OPTIMUM_QNN_RUNNER_WORKSPACE", str(tmp_path / "workspace"))
+    runner, reply, record = _stand_in(tmp_path / "build")
+    model = QNNModelForCausalLM.from_pretrained(fp16_export.output, device="runner", runner=runner)
+    reply.write_text(json.dumps({"text": " the loop body runs for each item", "n": 18}))
+    inputs = tok(PROMPT, return_tensors="pt")
+    streamed = []
+
+    class Collect:
+        def put(self, value):
+            streamed.extend(value.reshape(-1).tolist())
+
+        def end(self):
+            streamed.append("end")
+
+    out = model.generate(**inputs, max_new_tokens=24, stop_strings=["body"], tokenizer=tok, streamer=Collect())
+    assert tok.decode(out[0, inputs["input_ids"].shape[1]:]) == " the loop body"
+    assert streamed == out[0].tolist() + ["end"] and model.stats.stopped_by == "stop_criteria"
+    runs = record.stat().st_mtime_ns
+    for kwargs, name in ((dict(do_sample=True), "top_k"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+                         (dict(min_new_tokens=3), "min_new_tokens"), (dict(output_scores=True), "output_scores")):
+        with pytest.raises(UnsupportedParameterError, match=f"{name}.*temperature only") as e:
+            model.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True, **kwargs)
+        assert e.value.param == name
+    assert record.stat().st_mtime_ns == runs  # refused before the runner ran
+    model.generate(**inputs, max_new_tokens=4, do_sample=True, top_k=0, temperature=0.7)
+    args = json.loads(record.read_text())["args"]
+    assert float(args[args.index("--temperature") + 1]) == 0.7
