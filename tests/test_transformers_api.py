@@ -228,7 +228,7 @@ ids, mask = np.array(args["ids"]), np.array(args["mask"])
 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=args["config"])
 scored = model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=3, return_dict_in_generate=True,
                         output_scores=True)
-stopped = model.generate(ids[1:], max_new_tokens=20, stop_strings=["the"], tokenizer=model.tokenizer())
+stopped = model.generate(args["stop_ids"], max_new_tokens=20, stop_strings=["the"], tokenizer=model.tokenizer())
 sampled = [model.generate(ids[1:], max_new_tokens=6, do_sample=True, generator=np.random.default_rng(5)).tolist()
            for _ in range(2)]
 print("RESULT " + json.dumps({
@@ -250,7 +250,8 @@ def test_the_runtime_install_runs_the_numpy_path(fp16_model, fp16_export, tok, r
     config = {"max_new_tokens": 8, "min_new_tokens": 8, "repetition_penalty": 1.3}
     ref = fp16_model.generate(**batch, **config).tolist()
     args = {"folder": str(fp16_export.output), "ids": batch["input_ids"].tolist(),
-            "mask": batch["attention_mask"].tolist(), "config": config}
+            "mask": batch["attention_mask"].tolist(), "config": config,
+            "stop_ids": tok(PROMPT)["input_ids"]}  # its greedy continuation has "the" (the stop_strings case above)
     proc = subprocess.run([str(python), "-c", NO_FULL_STACK + VENV_SCRIPT, json.dumps(args)], capture_output=True, text=True,
                           timeout=1800, env=_venv_env(), cwd=python.parent)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
