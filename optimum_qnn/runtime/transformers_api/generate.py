@@ -183,7 +183,7 @@ def _run_row(model: Any, row: list[int], options: GenerateOptions, padded_len: i
     if chooses and speculative is None:
         sampling: Any = chooser
     else:
-        if generator is None and use_torch and options.do_sample:
+        if generator is None and use_torch and options.do_sample and chooses:  # (a runner seeds itself)
             import torch
 
             generator = torch.default_generator  # seeded by torch.manual_seed, as transformers' sampling is
