@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# One test process for now. `-n 2 --dist loadfile` (pytest-xdist, installed) runs two, each export built once per run
+# (tests/conftest.py built_once); it is not yet measured alone on a fresh clone.
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 

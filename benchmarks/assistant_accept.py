@@ -136,12 +136,12 @@ def load_pair():
     import tiny_gemma4_assistant
     from transformers import Gemma4ForCausalLM
 
-    import run  # the benchmarks' model cache: the demo where the tests keep it
+    import recipe  # the benchmarks' model cache: the demo where the tests keep it
 
     from optimum_qnn.models.gemma4.loading import load_assistant
 
-    target_dir = tiny_gemma4.build(run.DEMO_DIR)
-    assistant_dir = tiny_gemma4_assistant.build(target_dir, run.DEMO_DIR.parent / "demo-gemma4-assistant")
+    target_dir = tiny_gemma4.build(recipe.DEMO_DIR)
+    assistant_dir = tiny_gemma4_assistant.build(target_dir, recipe.DEMO_DIR.parent / "demo-gemma4-assistant")
     target = Gemma4ForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="eager").eval()
     return target, load_assistant(assistant_dir), target_dir
 

@@ -52,9 +52,9 @@ def main() -> int:
         from optimum_qnn.quantization.calibration import CalibrationSource
         from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
-        import run  # the benchmarks' model cache: the demo where the tests keep it
+        import recipe  # the benchmarks' model cache: the demo where the tests keep it
 
-        model_dir = tiny_gemma4.build(run.DEMO_DIR)
+        model_dir = tiny_gemma4.build(recipe.DEMO_DIR)
         out = args.out or Path(tempfile.mkdtemp(prefix="optimum-qnn-chat-bench-"))
         if not (out / "qnn_index.json").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)

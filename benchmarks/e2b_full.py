@@ -393,12 +393,12 @@ def main() -> int:
     (args.work / "result.json").write_text(json.dumps(result, indent=1))
     if args.profile is not None:  # the profile's rows, not the run's: the sampling is part of what was timed
         import lowering_profile
-        import run  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
+        from stored import source_commit  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
 
         counts = lowering_profile.read(args.profile)
         print(lowering_profile.table(counts, PROFILE_RATE, 30))
         lowering_profile.store(counts, PROFILE_RATE, label=f"{args.soc} {args.quant} {' '.join(args.extra)}".strip(),
-                               commit=run.source_commit(), wall_s=result["wall_s"], cpu_percent=result["cpu_percent"],
+                               commit=source_commit(), wall_s=result["wall_s"], cpu_percent=result["cpu_percent"],
                                stages=result["stages"])
         return 0
     store(rows_path(args.model), row_key(args), result)
@@ -417,11 +417,11 @@ def row_key(args) -> str:
 
 
 def store(rows_file: Path, key: str, result: dict) -> None:
-    import run  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
+    from stored import source_commit  # noqa: E402  (benchmarks/ is on sys.path when this runs as a script)
 
     stored = json.loads(rows_file.read_text()) if rows_file.is_file() else {"runs": {}}
     stored["machine"] = f"{os.cpu_count()} cores, {mem_total_gb():.1f} GB RAM"
-    stored["runs"][key] = {**{k: v for k, v in result.items() if k != "pte"}, "commit": run.source_commit()}
+    stored["runs"][key] = {**{k: v for k, v in result.items() if k != "pte"}, "commit": source_commit()}
     rows_file.write_text(json.dumps(stored, indent=1))
 
 

@@ -50,12 +50,12 @@ def _sums(stages: list) -> dict[str, float]:
 
 def measure(work: Path) -> dict:
     import e2b_full
-    import run
+    import recipe
     import tiny_gemma4
 
     from tests.ray_cluster import loopback_cluster
 
-    model = tiny_gemma4.build(run.DEMO_DIR)
+    model = tiny_gemma4.build(recipe.DEMO_DIR)
     local = e2b_full.run_export(model, work / "local", SOCS, SCHEMES, [])
     with loopback_cluster(work / "cluster") as cluster:
         remote = e2b_full.run_export(model, work / "ray", SOCS, SCHEMES, ["--ray", cluster.address])

@@ -29,16 +29,16 @@ ROWS_FILE = HERE / "multi_soc.json"
 
 
 def model_dir(name: str) -> Path:
-    import run
+    import recipe
 
     if name == "demo":
         import tiny_gemma4
 
-        return tiny_gemma4.build(run.DEMO_DIR)
+        return tiny_gemma4.build(recipe.DEMO_DIR)
     depth = int(name.split("-", 1)[1])
     import e2b_width
 
-    return e2b_width.build(run.CACHE / "bench-models" / f"e2b-width-{depth}", depth, run.DEPTHS[depth])
+    return e2b_width.build(recipe.CACHE / "bench-models" / f"e2b-width-{depth}", depth, recipe.DEPTHS[depth])
 
 
 def measure(model: Path, quant: str, work: Path) -> dict:
@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--quant", default="16a8w")
     parser.add_argument("--work", type=Path, default=Path("/tmp/multi-soc"))
     args = parser.parse_args()
-    import run
+    from stored import source_commit
 
     args.work.mkdir(parents=True, exist_ok=True)
     result = measure(model_dir(args.model), args.quant, args.work)
@@ -83,7 +83,7 @@ def main() -> int:
     for wave in result["waves"]:
         print(f"| {' + '.join(wave['socs'])} | {wave['lower_s']:.1f} |")
     stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {"runs": {}}
-    stored["runs"][f"{args.model} {args.quant}"] = {**result, "commit": run.source_commit()}
+    stored["runs"][f"{args.model} {args.quant}"] = {**result, "commit": source_commit()}
     ROWS_FILE.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"stored in {ROWS_FILE}")
     return 0

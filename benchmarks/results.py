@@ -1,15 +1,13 @@
 """benchmarks/RESULTS.md, rendered from the stored rows alone: benchmarks/rows.json (run.py), e2b_full.json and
 e4b_full.json (e2b_full.py), phone_size.json (phone_size.py), sensitivity_probe.json (sensitivity_probe.py),
 chat_reuse.json (chat_reuse.py), lowering_profile.json (e2b_full.py --profile) and multi_soc.json (multi_soc.py). Nothing here
-measures; `lookup` resolves the row keys that README.md, CHANGELOG.md and docs/ quote figures under
-(tests/test_figures.py checks them).
+measures; stored.py holds the rows' reading and `lookup`, the row keys that README.md, CHANGELOG.md and docs/ quote.
 
 Usage: python benchmarks/results.py   (writes benchmarks/RESULTS.md; run.py calls it after measuring)
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,27 +22,15 @@ import e2b_full  # noqa: E402
 import e2b_width  # noqa: E402
 import io_bytes  # noqa: E402
 import peer  # noqa: E402
-import run  # noqa: E402
+import recipe  # noqa: E402
 import speculative  # noqa: E402
+from stored import markdown, stored  # noqa: E402
 import tiny_gemma4  # noqa: E402
 import weight_stats  # noqa: E402
 
 RESULTS_FILE = HERE / "RESULTS.md"
 
-
-def stored(name: str) -> dict:
-    """A benchmarks/*.json file's rows ({} when the script that writes it has not run)."""
-    path = HERE / name
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 FORMATS = {"host overhead": "{:.1%}", "top-1": "{:.3f}", "size / bound": "{:.2f}x", "PPL fp32": "{:.2f}", "PPL .pte": "{:.2f}"}
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def scheme_table(rows: list[dict], steps: int) -> str:
@@ -129,11 +115,11 @@ def fit_layers(points: list[tuple[float, float]], target: float) -> tuple[float,
 
 def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
     """The per-stage table (wall s / peak RSS GB), with per-layer costs and the 35-layer extrapolation."""
-    header = ["model", *[f"{s} s / GB" for s in run.STAGES], "total s", "peak GB"]
+    header = ["model", *[f"{s} s / GB" for s in recipe.STAGES], "total s", "peak GB"]
 
     def line(name: str, stages: dict[str, list[float]], total_s: float | None = None, peak: float | None = None) -> list[str]:
         cells = [name]
-        for s in run.STAGES:
+        for s in recipe.STAGES:
             if s not in stages:  # a stage the pipeline had not split out when the row was measured
                 cells.append("-")
                 continue
@@ -146,16 +132,16 @@ def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
 
     rows, notes = [], []
     if demo is not None:
-        rows.append(line(f"demo Gemma4 ({demo['scheme']}, hybrid, ctx {run.CONTEXT})", demo["stages"]))
+        rows.append(line(f"demo Gemma4 ({demo['scheme']}, hybrid, ctx {recipe.CONTEXT})", demo["stages"]))
     full_layers = e2b_width.depth_parameters(e2b_width.e2b_config())
     per_layer_params = full_layers / e2b_width.E2B_LAYERS
     xs = {}
     for r in e2b:
-        xs[r["depth"]] = e2b_width.depth_parameters(e2b_width.e2b_config(r["depth"], run.DEPTHS[r["depth"]]))
-        rows.append(line(f"E2B widths, {r['depth']} layers ({run.DEPTHS[r['depth']]} reuse KV)", r["stages"]))
+        xs[r["depth"]] = e2b_width.depth_parameters(e2b_width.e2b_config(r["depth"], recipe.DEPTHS[r["depth"]]))
+        rows.append(line(f"E2B widths, {r['depth']} layers ({recipe.DEPTHS[r['depth']]} reuse KV)", r["stages"]))
     if len(e2b) >= 2:
         slope_row, extra_row = {}, {}
-        for s in (s for s in run.STAGES if all(s in r["stages"] for r in e2b)):
+        for s in (s for s in recipe.STAGES if all(s in r["stages"] for r in e2b)):
             slope_t, at_t = fit_layers([(xs[r["depth"]], r["stages"][s][0]) for r in e2b], full_layers)
             slope_m, at_m = fit_layers([(xs[r["depth"]], r["stages"][s][1]) for r in e2b], full_layers)
             slope_row[s] = [slope_t * per_layer_params, slope_m * per_layer_params]
@@ -165,8 +151,8 @@ def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
         total = sum(v[0] for v in extra_row.values())
         peak = max(v[1] for v in extra_row.values()) / 1024
         notes.append(
-            f"Extrapolated full Gemma-4-E2B export ({run.E2B_SCHEME}, hybrid, weights shared, "
-            f"{e2b_width.E2B_LAYERS // run.E2B_LAYERS_PER_SHARD} shards): about {total / 60:.0f} min and "
+            f"Extrapolated full Gemma-4-E2B export ({recipe.E2B_SCHEME}, hybrid, weights shared, "
+            f"{e2b_width.E2B_LAYERS // recipe.E2B_LAYERS_PER_SHARD} shards): about {total / 60:.0f} min and "
             f"{peak:.1f} GB peak RSS. This is an extrapolation, not a measurement. The rows of this table were "
             "measured on an earlier pipeline (before the bf16 weights kept in the checkpoint's pages, the parallel shard "
             "compiles and the streamed program); the full-size measurements below supersede the extrapolation."
@@ -176,7 +162,7 @@ def cost_tables(demo: dict | None, e2b: list[dict]) -> tuple[str, list[str]]:
 
 def peer_table(ours: dict[str, peer.ProcessCost], theirs: peer.ProcessCost) -> str:
     header = ["exporter", "what it builds", "wall s", "peak RSS MB", "wall / peer", "RSS / peer"]
-    rows = [[f"optimum-executorch 1.1.0 `--recipe xnnpack --max_seq_len {run.CONTEXT}`", "XNNPACK fp32, one token per call",
+    rows = [[f"optimum-executorch 1.1.0 `--recipe xnnpack --max_seq_len {recipe.CONTEXT}`", "XNNPACK fp32, one token per call",
              f"{theirs.wall_s:.0f}", f"{theirs.peak_rss_mb:.0f}", "1.00x", "1.00x"]]
     for what, cost in ours.items():
         rows.append(["optimum-qnn `export qnn`", what, f"{cost.wall_s:.0f}", f"{cost.peak_rss_mb:.0f}",
@@ -217,10 +203,10 @@ def render(results: dict) -> str:
         f"- demo Gemma4: examples/tiny_gemma4.py (every trait on, {rows and 'trained here'}), SM8650.\n"
         f"- E2B widths: benchmarks/e2b_width.py, Gemma-4-E2B's real widths (hidden 1536, 8 heads, 1 KV head, "
         "head_dim 256/512, MLP 6144/12288, vocab 262144, per-layer embeddings 256 per layer) with random bf16 "
-        f"weights at reduced depth; {run.E2B_SCHEME}, hybrid (prefill {run.E2B_PREFILL} + decode), context {run.E2B_CONTEXT}, "
+        f"weights at reduced depth; {recipe.E2B_SCHEME}, hybrid (prefill {recipe.E2B_PREFILL} + decode), context {recipe.E2B_CONTEXT}, "
         "weights shared between the two graphs (the phone build), 4-bit embedding tables, SM8650, calibration on "
-        f"random ids (no tokenizer), `--shards` = layers / {run.E2B_LAYERS_PER_SHARD} (one HTP context per "
-        f"{run.E2B_LAYERS_PER_SHARD} layer(s)). The stored rows ran before the commit column existed and before shards "
+        f"random ids (no tokenizer), `--shards` = layers / {recipe.E2B_LAYERS_PER_SHARD} (one HTP context per "
+        f"{recipe.E2B_LAYERS_PER_SHARD} layer(s)). The stored rows ran before the commit column existed and before shards "
         "compiled in worker processes (82f485a): their shards compiled one at a time.\n"
         "- per E2B layer: the slope of a line through the measured depths against the parameters that grow with "
         "depth (decoder layers, and the per-layer embedding table, 256 columns per layer), times those of an "
@@ -241,20 +227,20 @@ def render(results: dict) -> str:
            if peer_text else "")
         + "## Accuracy, size and runtime per quant scheme\n\n"
         f"Model: the demo Gemma4 (examples/tiny_gemma4.py: every trait on, trained on CPython's `pydoc_data.topics`), "
-        f"hybrid, context {run.CONTEXT}, prefill {run.PREFILL}, SM8650, run on the x86 HTP emulator. CPU embedding tables: "
+        f"hybrid, context {recipe.CONTEXT}, prefill {recipe.PREFILL}, SM8650, run on the x86 HTP emulator. CPU embedding tables: "
         "float for fp16, 8-bit per row otherwise.\n\n"
         "- export s / peak RSS MB: load to write, in-process (import not included).\n"
         "- size / bound: the .pte against parameters x bits (HTP weights at the scheme's width including the lm_head "
         "copy, embedding tables at theirs). These emulator builds have weight sharing off, so the prefill and decode "
         "graphs each hold the HTP weights: about 2x is expected; a phone build (weight sharing on) stores them once.\n"
         + (f"- PPL: perplexity on {rows[0]['eval tokens']} held-out tokens (docstrings of the standard-library modules "
-           f"{', '.join(run.HELD_OUT_MODULES)}), fp32 Hugging Face vs the .pte, in windows of the context "
+           f"{', '.join(recipe.HELD_OUT_MODULES)}), fp32 Hugging Face vs the .pte, in windows of the context "
            "(`optimum-cli export qnn --evaluate`); SQNR and top-1 are the logits over the same tokens.\n" if rows else "")
         + "- decode SQNR: 91 tokens fed one by one through the decode method only, against fp32.\n"
         f"- greedy = HF: of {steps} new tokens, how many equal Hugging Face `generate` before the first difference, "
         "after the benchmark prompt (ids 40-71). greedy, held-out prompts: the same after each of "
-        f"{run.GREEDY_PROMPTS} prompts of {run.GREEDY_PROMPT_TOKENS} tokens (BOS and the start of the docstring of "
-        f"{', '.join(run.HELD_OUT_MODULES[:run.GREEDY_PROMPTS])}): their median, then each.\n"
+        f"{recipe.GREEDY_PROMPTS} prompts of {recipe.GREEDY_PROMPT_TOKENS} tokens (BOS and the start of the docstring of "
+        f"{', '.join(recipe.HELD_OUT_MODULES[:recipe.GREEDY_PROMPTS])}): their median, then each.\n"
         f"- TTFT, tok/s and host overhead (the share of a decode step spent outside the .pte's execute call): a 33-token "
         f"prompt, {steps} decode steps, median of {runs} runs. Emulator speed says nothing about a phone's "
         "speed.\n\n"
@@ -450,60 +436,6 @@ def probe_section(rows: dict) -> str:
         + markdown(["model", "method", "passes (forward + backward)", "s", "Spearman vs exact", "kept (same as exact)",
                     "held-out SQNR dB", "commit"], lines) + "\n"
     )
-
-
-def lookup(key: str) -> float:
-    """The value a README figure quotes, by its row key: `FILE:PATH[|OP]`.
-
-    FILE is a benchmarks/*.json name without `.json`; PATH walks it by `/`, and a list of rows is entered by the row
-    whose `scheme` (or `depth`, `turn`, `soc`) is the next part. OP turns the value into what the prose shows: `median` (of a list),
-    `min` (seconds to minutes), `%` (a fraction to percent), `/KEY` (the ratio to another row's value), `-KEY` (the
-    difference), `rel%KEY` (the change against another row's value, in percent).
-
-    Raises:
-        KeyError: naming the part of the key that no row has.
-    """
-    key, _, op = key.partition("|")
-    name, _, path = key.partition(":")
-    value = stored(name + ".json")
-    if not value:
-        raise KeyError(f"no stored rows in benchmarks/{name}.json")
-    parts, i = path.split("/"), 0
-    while i < len(parts):
-        part = parts[i]
-        if isinstance(value, dict):
-            # a field's name may hold a slash ("decode tok/s"): the longest run of parts that is a field
-            part = next(("/".join(parts[i:j]) for j in range(len(parts), i, -1) if "/".join(parts[i:j]) in value), part)
-            if part not in value:
-                raise KeyError(f"{key}: no {part!r}")
-            value = value[part]
-        elif part.isdigit() and not any(isinstance(r, (dict, list)) for r in value):
-            value = value[int(part)]  # a position in a row: [stage, seconds, GB]
-        else:
-            # a row of a list: a table row by its first cell (a stage's name), a benchmark row by scheme, depth or turn
-            found = [r for r in value
-                     if (r[0] if isinstance(r, list) else str(r.get("scheme", r.get("depth", r.get("turn", r.get("soc")))))) == part]
-            if not found:
-                raise KeyError(f"{key}: no row {part!r}")
-            value = found[0]
-        i += part.count("/") + 1
-    if op == "median":
-        return float(statistics.median(value))
-    if op == "min":
-        return value / 60
-    if op == "MiB":  # bytes
-        return value / 2**20
-    if op == "%":
-        return value * 100
-    if op.startswith("rel%"):
-        return (value / lookup(op[4:]) - 1) * 100
-    if op.startswith("/"):
-        return value / lookup(op[1:])
-    if op.startswith("-"):
-        return value - lookup(op[1:])
-    if op:
-        raise KeyError(f"{key}: unknown operation {op!r}")
-    return float(value)
 
 
 def write() -> str:

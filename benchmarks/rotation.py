@@ -107,13 +107,13 @@ def score(got: torch.Tensor, ref: torch.Tensor, windows: list[torch.Tensor]) -> 
 def measure(model_dir: Path) -> list[tuple[str, dict[str, float]]]:
     from transformers import AutoTokenizer
 
-    import run
+    import recipe
     from optimum_qnn.models.gemma4.loading import load_text_model
 
     from optimum_qnn.exporter.evaluation import windows as cut
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = tok(run.held_out_text(), add_special_tokens=False)["input_ids"]
+    ids = tok(recipe.held_out_text(), add_special_tokens=False)["input_ids"]
     windows = cut(ids, CONTEXT, tok.bos_token_id, max_tokens=WINDOWS * (CONTEXT - 1))
     rows = []
     ref = None

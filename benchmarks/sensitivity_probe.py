@@ -109,7 +109,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    import run
+    import recipe
+    from stored import source_commit
     import tiny_gemma4
     from optimum_qnn.config import SizeBudget
     from optimum_qnn.quantization.mixed_precision import plan
@@ -118,11 +119,11 @@ def main() -> int:
     print("| model | method | passes (forward + backward) | s | Spearman of noise/param vs exact | kept at 8 bits: "
           "linears (same as exact) | held-out SQNR dB with that plan |\n|---|---|---|---|---|---|---|")
     stored = json.loads(ROWS_FILE.read_text()) if ROWS_FILE.is_file() else {}
-    commit = run.source_commit()
+    commit = source_commit()
     for model_dir in args.models:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         calibration = windows_of(tokenizer, tiny_gemma4.corpus(), WINDOWS)
-        held_out = windows_of(tokenizer, run.held_out_text(), 8)
+        held_out = windows_of(tokenizer, recipe.held_out_text(), 8)
         model = load_text_model(model_dir)[0].float().eval()
         params = {n: m.weight.numel() for n, m in linears_of(model).items()}
         budget = SizeBudget(share=SHARE)

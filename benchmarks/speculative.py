@@ -137,7 +137,7 @@ def main() -> None:
               f"{r['drafter_calls']:>9}{r['decode_tokens_per_s']:>10.1f}{str(r['identical']):>6}"
               f"{r['sm8750_ms_per_token_estimate']:>22.2f}")
     if args.json:
-        from run import source_commit
+        from stored import source_commit
 
         args.json.write_text(json.dumps({"prompts": len(prompts), "new_tokens": args.new_tokens, "rows": rows,
                                          "note": args.note, "commit": source_commit(), "flags": COMMON}, indent=2) + "\n")
@@ -152,7 +152,7 @@ def section(rows: dict) -> str:
               f"{r['sm8750_ms_per_token_estimate']:.1f}"] for r in rows["rows"]]
     head = ["mode", "tokens per target call", "target calls / 100 tokens", "drafter calls", "emulator tok/s",
             "= plain greedy", "SM8750 ms/token (estimate)"]
-    from results import markdown  # results.py imports this module: by the time it renders, it is loaded
+    from stored import markdown
 
     table = markdown(head, lines) + "\n"
     return (

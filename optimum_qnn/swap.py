@@ -121,10 +121,16 @@ def apply_swaps(root: nn.Module, registry: SwapRegistry, options: Any = None) ->
         raise SwapError(f"No static replacement is registered for {type(root).__qualname__}")
     ctx = SwapContext(registry, options)
     new_root = ctx.swap(root, "")
-    for path, module in new_root.named_modules():
+    check_swapped(new_root, registry)
+    return new_root, ctx.report
+
+
+def check_swapped(root: nn.Module, registry: SwapRegistry) -> None:
+    """Raise `SwapError` naming the first module under ``root`` whose class has a factory: it was left unswapped
+    (for a static tree built of several swapped parts, as :func:`apply_swaps` checks its own)."""
+    for path, module in root.named_modules():
         if registry.factory_for(type(module)) is not None:
             raise SwapError(f"Module '{path or '<root>'}' of class {type(module).__qualname__} was left unswapped")
-    return new_root, ctx.report
 
 
 # The registry every model package registers into (models/<arch>/modules.py).

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import pickle
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -69,6 +74,45 @@ def run_python() -> RunPython:
     return run
 
 
+# --- builds shared by the processes of one run ------------------------------------------------------------------
+# The suite may run in two processes (`pytest -n 2 --dist loadfile`; `make test` runs one). An export the tests of
+# both use is built once per run, by whichever process asks first, under a lock; the other waits and reads it.
+
+T = TypeVar("T")
+
+
+@contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_dir(tmp_path_factory) -> Path:
+    """The folder of this pytest run: shared by its xdist worker processes (each has its own basetemp inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
+    """``build(folder)`` once per test run, whichever process asks first; returns what it returned (pickled beside the
+    folder for the other processes). A build that raised, or whose process died, is built again by the next caller."""
+    root = run_dir(tmp_path_factory) / "shared-builds"
+    folder, done = root / name, root / f"{name}.pickle"
+    with _locked(root / f"{name}.lock"):
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        result = build(folder)
+        done.write_bytes(pickle.dumps(result))
+        return result
+
+
 # --- Gemma4 models and exports shared by the export/runtime tests ------------------------------------------------
 
 DEMO_CACHE = Path(os.environ.get("OPTIMUM_QNN_TEST_CACHE", Path.home() / ".cache" / "optimum-qnn" / "test-models"))
@@ -101,10 +145,11 @@ def demo_assistant_dir(demo_model_dir) -> Path:
 
 def _built_example(script: str, args: Sequence[Path], is_built: Callable[[], bool]) -> Path:
     """Run examples/SCRIPT ARGS unless ``is_built()``; returns the last argument (the folder it writes)."""
-    if not is_built():  # trained in a fresh interpreter: nothing a test has set in this one changes it
-        proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / script), *map(str, args)], env=child_env(),
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
-        assert proc.returncode == 0 and is_built(), proc.stderr[-3000:]
+    with _locked(DEMO_CACHE / f"{script}.lock"):  # both test processes may ask for it first
+        if not is_built():  # trained in a fresh interpreter: nothing a test has set in this one changes it
+            proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / script), *map(str, args)],
+                                  env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
+            assert proc.returncode == 0 and is_built(), proc.stderr[-3000:]
     return args[-1]
 
 
@@ -113,9 +158,11 @@ def random_model_dir(tmp_path_factory) -> Path:
     """A tiny random Gemma4 checkpoint folder (every trait on), without a tokenizer."""
     from tests.gemma4_tiny import tiny_config, tiny_model
 
-    folder = tmp_path_factory.mktemp("random-gemma4")
-    tiny_model(tiny_config()).save_pretrained(folder)
-    return folder
+    def build(folder: Path) -> Path:  # random weights: one folder for every process, so all test the same model
+        tiny_model(tiny_config()).save_pretrained(folder)
+        return folder
+
+    return built_once(tmp_path_factory, "random-gemma4", build)
 
 
 RANDOM_SOCS = ("SM8650", "SM8750", "SM8850")
@@ -132,7 +179,7 @@ def random_kv_export(random_model_dir, tmp_path_factory, qnn_sdk):
         socs=tuple(Soc.parse(s) for s in RANDOM_SOCS), quant=QuantScheme.FP16, mode=ExportMode.KV,
         shapes=ShapeConfig(32, 4), embedding_quant=EmbeddingQuant(0, 0),
     )
-    return export(random_model_dir, tmp_path_factory.mktemp("random-kv"), config)
+    return built_once(tmp_path_factory, "random-kv", lambda out: export(random_model_dir, out, config))
 
 
 FP16_CTX, FP16_PREFILL = 96, 16
@@ -143,12 +190,11 @@ def fp16_export(demo_model_dir, tmp_path_factory, qnn_sdk):
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.exporter.pipeline import export
 
-    out = tmp_path_factory.mktemp("fp16-out")
     config = ExportConfig(
         socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.HYBRID, shapes=ShapeConfig(FP16_CTX, FP16_PREFILL),
         embedding_quant=EmbeddingQuant(0, 0), weight_sharing=False,
     )
-    return export(demo_model_dir, out, config)
+    return built_once(tmp_path_factory, "fp16-out", lambda out: export(demo_model_dir, out, config))
 
 
 @pytest.fixture(scope="session")
@@ -169,11 +215,9 @@ def demo_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.exporter.pipeline import export
 
-    out = tmp_path_factory.mktemp("demo-kv")
     config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
                           shapes=ShapeConfig(KV_CTX, 4), embedding_quant=EmbeddingQuant(0, 0))
-    export(demo_model_dir, out, config)
-    return out
+    return built_once(tmp_path_factory, "demo-kv", lambda out: export(demo_model_dir, out, config).output)
 
 
 @pytest.fixture(scope="session")
@@ -182,23 +226,25 @@ def cli_16a8w_export(demo_model_dir, tmp_path_factory, run_python):
     uint16 graph IO (the default), weights not shared, evaluated on held-out text. Returns (folder, process)."""
     import tiny_gemma4  # on sys.path through the demo_model_dir fixture
 
-    tmp = tmp_path_factory.mktemp("cli-16a8w")
-    out = tmp / "out"
-    paragraphs = tiny_gemma4.corpus().split("\n\n")
-    calib = tmp / "calib.jsonl"  # the README's form: one {"text": ...} object per line; extra keys and blank lines allowed
-    calib.write_text("".join(json.dumps({"text": p, "source": "corpus"}) + "\n" + ("\n" if i % 7 == 0 else "")
-                             for i, p in enumerate(paragraphs[:40])))
-    held_out = tmp / "eval.txt"
-    held_out.write_text("\n\n".join(paragraphs[-40:]))
-    proc = run_python(
-        "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
-        "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
-        "--embedding-quant", "8,0", "--shards", "2",
-        "--calib-file", str(calib), "--calib-limit", "8", "--evaluate", str(held_out), "--evaluate-tokens", "189",
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
+    def build(tmp: Path) -> tuple[Path, subprocess.CompletedProcess]:
+        out = tmp / "out"
+        paragraphs = tiny_gemma4.corpus().split("\n\n")
+        calib = tmp / "calib.jsonl"  # the README's form: one {"text": ...} object per line; extra keys and blank lines allowed
+        calib.write_text("".join(json.dumps({"text": p, "source": "corpus"}) + "\n" + ("\n" if i % 7 == 0 else "")
+                                 for i, p in enumerate(paragraphs[:40])))
+        held_out = tmp / "eval.txt"
+        held_out.write_text("\n\n".join(paragraphs[-40:]))
+        proc = run_python(
+            "-m", "optimum_qnn", "export", "--model", str(demo_model_dir), "--output", str(out), "--soc", "SM8650",
+            "--quant", "16a8w", "--mode", "hybrid", "--max-seq-len", "64", "--prefill-ar-len", "16", "--no-weight-sharing",
+            "--embedding-quant", "8,0", "--shards", "2",
+            "--calib-file", str(calib), "--calib-limit", "8", "--evaluate", str(held_out), "--evaluate-tokens", "189",
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out, proc
+
+    return built_once(tmp_path_factory, "cli-16a8w", build)
 
 
 # --- a sliding window shorter than the prefill chunk (ExecuTorch's runner applies the window to past columns only) --
@@ -210,14 +256,15 @@ WINDOW7_CTX, WINDOW7 = 64, 7
 def window7_model_dir(demo_model_dir, tmp_path_factory) -> Path:
     """The demo model with its sliding window cut from 16 to 7 tokens (same weights and tokenizer): a valid Gemma4
     config whose window is shorter than a prefill chunk of 8."""
-    import shutil
+    def build(parent: Path) -> Path:
+        folder = parent / "model"
+        shutil.copytree(demo_model_dir, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["sliding_window"] = WINDOW7
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        return folder
 
-    folder = tmp_path_factory.mktemp("window7") / "model"
-    shutil.copytree(demo_model_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["sliding_window"] = WINDOW7
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
+    return built_once(tmp_path_factory, "window7", build)
 
 
 @pytest.fixture(scope="session")
@@ -236,9 +283,12 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
     built: dict[tuple[str, int, int | None, int], Path] = {}
 
     def get(quant: str, ar_len: int, block_len: int | None = None, shards: int = 1) -> Path:
-        if (quant, ar_len, block_len, shards) not in built:
-            blocks = "" if block_len is None else f"-blocks{block_len}"
-            out = tmp_path_factory.mktemp(f"window7-{quant}-ar{ar_len}{blocks}-shards{shards}")
+        if (quant, ar_len, block_len, shards) in built:
+            return built[quant, ar_len, block_len, shards]
+        blocks = "" if block_len is None else f"-blocks{block_len}"
+
+        def build(folder: Path) -> Path:
+            out = folder / "out"
             scheme = QuantScheme.parse(quant)
             shapes = (ShapeConfig(WINDOW7_CTX, ar_len) if block_len is None else
                       ShapeConfig(WINDOW7_CTX, ar_len, cache_layout=CacheLayout.BLOCKS, cache_block_len=block_len))
@@ -249,11 +299,14 @@ def window7_export(window7_model_dir, tmp_path_factory, qnn_sdk):
             )
             calibration = None
             if scheme is not QuantScheme.FP16:
-                calib = out.parent / "calib.txt"
+                calib = folder / "calib.txt"
                 calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
                 calibration = CalibrationSource(file=calib, limit=8)
             export(window7_model_dir, out, config, calibration=calibration)
-            built[quant, ar_len, block_len, shards] = out
+            return out
+
+        built[quant, ar_len, block_len, shards] = built_once(
+            tmp_path_factory, f"window7-{quant}-ar{ar_len}{blocks}-shards{shards}", build)
         return built[quant, ar_len, block_len, shards]
 
     return get
@@ -267,15 +320,17 @@ def layouts_export(window7_model_dir, tmp_path_factory, qnn_sdk) -> Path:
     from optimum_qnn.contract import CacheLayout
     from optimum_qnn.exporter.pipeline import export
 
-    out = tmp_path_factory.mktemp("layouts")
-    for context, layout in ((128, CacheLayout.FULL), (128, CacheLayout.RING), (64, CacheLayout.FULL)):
-        config = ExportConfig(
-            socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
-            shapes=ShapeConfig(context, 4, cache_layout=layout), embedding_quant=EmbeddingQuant(0, 0),
-            weight_sharing=False,
-        )
-        export(window7_model_dir, out, config)
-    return out
+    def build(out: Path) -> Path:
+        for context, layout in ((128, CacheLayout.FULL), (128, CacheLayout.RING), (64, CacheLayout.FULL)):
+            config = ExportConfig(
+                socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV,
+                shapes=ShapeConfig(context, 4, cache_layout=layout), embedding_quant=EmbeddingQuant(0, 0),
+                weight_sharing=False,
+            )
+            export(window7_model_dir, out, config)
+        return out
+
+    return built_once(tmp_path_factory, "layouts", build)
 
 
 A16W8_CTX, A16W8_PREFILL = 64, 16
@@ -296,13 +351,12 @@ def a16w8_export(demo_model_dir, tmp_path_factory, qnn_sdk):
 
     def get(mode: str) -> Path:
         if mode not in built:
-            out = tmp_path_factory.mktemp(f"16a8w-{mode}")
             config = ExportConfig(
                 socs=(Soc.SM8650,), quant=QuantScheme.A16W8, mode=ExportMode.parse(mode),
                 shapes=ShapeConfig(A16W8_CTX, A16W8_PREFILL), embedding_quant=EmbeddingQuant(8, 0), weight_sharing=False,
             )
-            export(demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8))
-            built[mode] = out
+            built[mode] = built_once(tmp_path_factory, f"16a8w-{mode}", lambda out: export(
+                demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8)).output)
         return built[mode]
 
     return get
@@ -318,12 +372,17 @@ def block4_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
     from optimum_qnn.exporter.pipeline import export
     from optimum_qnn.quantization.calibration import CalibrationSource
 
-    out = tmp_path_factory.mktemp("block4")
-    calib = out.parent / "block4-calib.txt"
-    calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
     config = ExportConfig(
         socs=(Soc.SM8650,), quant=QuantScheme.A16W4_BLOCK, mode=ExportMode.HYBRID, shapes=ShapeConfig(64, 16),
         embedding_quant=EmbeddingQuant(4, 32), weight_sharing=False,
     )
-    export(demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8))
-    return out
+
+    def build(folder: Path) -> Path:
+        calib = folder / "block4-calib.txt"
+        calib.write_text("\n\n".join(tiny_gemma4.corpus().split("\n\n")[:40]))
+        out = folder / "out"
+        export(demo_model_dir, out, config, calibration=CalibrationSource(file=calib, limit=8))
+        return out
+
+    return built_once(tmp_path_factory, "block4", build)
+

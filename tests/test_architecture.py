@@ -9,6 +9,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "optimum_qnn"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+MAX_LINES = 500  # docs/architecture.md: a file past it is split along what it does
 WINGS = ("exporter", "quantization", "artifacts", "runtime")
 # What each wing may import besides the core (config, contract, errors, swap, session, native_output, ops/,
 # models/, sdk/): exporter -> quantization -> core; runtime -> artifacts -> core; the exporter also writes artifacts.
@@ -105,3 +107,32 @@ def test_imports_run_one_way():
             elif target.count(".") == 1 and target.split(".")[1] in FACES - {"__init__"}:
                 wrong.append(f"{module} -> face {target}")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def benchmarks_graph() -> dict[str, set[str]]:
+    """benchmarks/ script -> the benchmarks/ scripts it imports (they import each other by bare name: the folder is on
+    sys.path when one runs)."""
+    scripts = {p.stem: p for p in BENCHMARKS.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in scripts.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                edges.add(node.module)
+        graph[name] = {e for e in edges if e in scripts and e != name}
+    return graph
+
+
+def test_the_benchmarks_import_each_other_without_a_circle():
+    graph = benchmarks_graph()
+    assert {"run", "results", "stored", "recipe"} <= set(graph) and graph["results"], graph
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_no_file_of_the_package_or_the_benchmarks_is_over_500_lines():
+    files = [*PACKAGE.rglob("*.py"), *BENCHMARKS.glob("*.py")]
+    assert len(files) > 100
+    long = {str(f.relative_to(PACKAGE.parent)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split each along what it does): {long}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qnn.artifacts.manifest import contract_section
+from optimum_qnn.artifacts.sections import contract_section
 from optimum_qnn.artifacts.writer import variant_name
 from optimum_qnn.cli import add_export_arguments, config_from_args
 from optimum_qnn.config import CacheLayout, ShapeConfig, Soc

@@ -15,8 +15,8 @@ from tests.test_device_adb import phone  # noqa: F401  (the stand-in phone fixtu
 REAL_RUNNER = os.environ.get("QNN_LLAMA_RUNNER")
 real_runner = pytest.mark.skipif(
     not REAL_RUNNER,
-    reason="QNN_LLAMA_RUNNER is not set: build ExecuTorch's qnn_llama_runner for x86 with ExecuTorch's "
-    "backends/qualcomm/scripts/build.sh (see docs/running.md, 'Run on a phone') and point QNN_LLAMA_RUNNER at it",
+    reason="QNN_LLAMA_RUNNER is not set: build ExecuTorch's qnn_llama_runner for x86 with tools/build_qnn_runner.sh "
+    "(see docs/running.md, 'Run with ExecuTorch's C++ runner on this machine') and point QNN_LLAMA_RUNNER at it",
 )
 
 

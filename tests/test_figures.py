@@ -55,7 +55,7 @@ def quoted(match: re.Match) -> tuple[Decimal, int]:
 
 def check_figures(text: str) -> list[str]:
     """Every marked figure of ``text`` against what its marker names; returns the mismatches, each with its key."""
-    import results
+    import stored
 
     wrong = []
     for match in markers(text):
@@ -63,7 +63,7 @@ def check_figures(text: str) -> list[str]:
         if kind == "estimate":
             continue
         if kind == "row":
-            value = results.lookup(key)
+            value = stored.lookup(key)
         else:
             module, _, name = key.rpartition(".")
             value = getattr(importlib.import_module(module), name)
@@ -88,8 +88,9 @@ def unmarked(text: str) -> list[str]:
 
 def test_results_md_is_rendered_from_the_stored_rows_alone():
     import results
+    import stored
 
-    assert (REPO / "benchmarks" / "RESULTS.md").read_text() == results.render(results.stored("rows.json")), (
+    assert (REPO / "benchmarks" / "RESULTS.md").read_text() == results.render(stored.stored("rows.json")), (
         "benchmarks/RESULTS.md differs from the stored rows: run `python benchmarks/results.py`"
     )
 
@@ -159,7 +160,7 @@ def test_the_cross_check_fails_on_an_edited_figure():
 
 
 def test_a_key_no_row_has_names_what_is_missing():
-    import results
+    import stored
 
     with pytest.raises(KeyError, match="no row 'w3a3'"):
-        results.lookup("rows:schemes/w3a3/SQNR dB")
+        stored.lookup("rows:schemes/w3a3/SQNR dB")

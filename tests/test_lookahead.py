@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,8 +228,8 @@ def test_speculative_on_a_variant_without_it_is_refused_with_the_fix(lookahead_e
 # --- ExecuTorch's runner -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not REAL_RUNNER, reason="QNN_LLAMA_RUNNER is unset: ExecuTorch's qnn_llama_runner (x86 build, not "
-                    "buildable on this machine) is not here, and only it can show that --eval_mode 2 generates the "
+@pytest.mark.skipif(not REAL_RUNNER, reason="QNN_LLAMA_RUNNER is unset: ExecuTorch's qnn_llama_runner (x86 build: "
+                    "tools/build_qnn_runner.sh) is not here, and only it can show that --eval_mode 2 generates the "
                     "host's plain greedy tokens")
 @pytest.mark.parametrize("quant", ["fp16", "16a8w"])
 def test_executorch_runner_in_lookahead_mode_generates_the_hosts_plain_greedy_tokens(quant, lookahead_export, tmp_path,
@@ -261,3 +262,30 @@ def test_stand_in_runner_gets_executorchs_lookahead_flags(lookahead_export, tmp_
     model.generate([2, 40, 41], max_new_tokens=8, eos_token_id=[], speculative="lookahead")
     args = json.loads(record.read_text())["args"]
     assert args[args.index("--eval_mode") :][:8] == SHAPE.runner_args()
+
+
+def test_runner_overshooting_the_budget_keeps_only_the_tokens_asked_for(lookahead_export, tmp_path, monkeypatch,
+                                                                         qnn_sdk):
+    """--eval_mode 2 accepts a step's verified tokens before it checks --seq_len, so ExecuTorch's runner can write
+    more tokens than asked (measured: 27 for 24). A stand-in answers with such a text: the ids are cut to the budget,
+    and the report's text to exactly those ids."""
+    from optimum_qnn.runtime.backends.runner import _load_tokenizer
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+    from tests.test_device_runner import _stand_in
+
+    monkeypatch.setenv("OPTIMUM_QNN_RUNNER_WORKSPACE", str(tmp_path / "workspace"))
+    root = lookahead_export("fp16")
+    runner, reply, _ = _stand_in(tmp_path / "build")
+    text = " statements are used to bind names to values and to modify attributes"
+    tok = _load_tokenizer(Path(root))
+    ids = tok.encode(text, add_special_tokens=False).ids
+    asked = len(ids) - 3
+    reply.write_text(json.dumps({"text": text, "n": len(ids)}))
+    model = QNNModelForCausalLM.from_pretrained(root, device="runner", runner=runner)
+    got = model.generate(np.array([2, 40, 41]), max_new_tokens=asked, eos_token_id=[])
+    got = np.asarray(got).reshape(-1).tolist()  # prompt then new tokens
+    assert got == [2, 40, 41, *ids[:asked]] and model.stats.new_tokens == asked
+    assert model.stats.stopped_by == "max_new_tokens"
+    kept = model.backend.report.text
+    assert text.startswith(kept) and len(kept) < len(text)
+    assert tok.encode(kept, add_special_tokens=False).ids == ids[:asked]

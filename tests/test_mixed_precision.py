@@ -266,7 +266,8 @@ def test_apply_clips_scales_the_4bit_observers_only(qnn_sdk):
 
 def test_plan_goes_into_the_manifest_and_model_card():
     from optimum_qnn.artifacts.model_card import _plan_section
-    from optimum_qnn.artifacts.manifest import Quantization, _build, mixed_precision_section
+    from optimum_qnn.artifacts.manifest import Quantization, _build
+    from optimum_qnn.artifacts.sections import mixed_precision_section
     from optimum_qnn.quantization.mixed_precision import plan
 
     made = plan({"a": 20.0, "b": math.inf}, {"a": 10, "b": 10}, SizeBudget(share=0.5), probes=5)

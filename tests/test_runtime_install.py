@@ -76,7 +76,7 @@ def test_running_commands_import_without_torch(run_python):
     modules = ["optimum_qnn", "optimum_qnn.runtime.modeling", "optimum_qnn.runtime.chat", "optimum_qnn.runtime.tokenizer",
                "optimum_qnn.runtime.backends.host", "optimum_qnn.runtime.backends.onnxruntime.backend",
                "optimum_qnn.runtime.backends.runner", "optimum_qnn.runtime.server.app", "optimum_qnn.doctor",
-               "optimum_qnn.artifacts.hub", "optimum_qnn.artifacts.inspection", "optimum_qnn.__main__"]
+               "optimum_qnn.artifacts.hub", "optimum_qnn.artifacts.inspection", "optimum_qnn.images", "optimum_qnn.__main__"]
     proc = run_without_exporter_stack(
         "import importlib\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, built_once
 
 PROMPTS = [[2, 40, 41, 42, 43, 44, 45], [2] + list(range(100, 131))]
 NEW_TOKENS = 12
@@ -74,14 +74,17 @@ print("RESULT " + json.dumps(out))
 def runtime_venv(tmp_path_factory) -> Path:
     """A fresh venv holding `optimum-qnn[serve]` from this checkout and its runtime requirements (from the pip cache
     where it has them)."""
-    venv = tmp_path_factory.mktemp("runtime-venv") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    python = venv / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                           f"{REPO_ROOT}[serve]"], capture_output=True, text=True, timeout=1200,
-                          env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QNN_SDK_ROOT")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return python
+    def build(folder: Path) -> Path:
+        venv = folder / "venv"
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        python = venv / "bin" / "python"
+        proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                               f"{REPO_ROOT}[serve]"], capture_output=True, text=True, timeout=1200,
+                              env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QNN_SDK_ROOT")})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return python
+
+    return built_once(tmp_path_factory, "runtime-venv", build)
 
 
 def _venv_env() -> dict[str, str]:

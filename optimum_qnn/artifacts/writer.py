@@ -37,7 +37,6 @@ from optimum_qnn.config import ExportConfig, ExportMode, Soc
 from optimum_qnn.contract import DRAFT_METHOD
 from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.artifacts.manifest import (
-    mixed_precision_section,
     MANIFEST_NAME,
     PROGRAM_NAME,
     SCHEMA_VERSION,
@@ -48,10 +47,10 @@ from optimum_qnn.artifacts.manifest import (
     Target,
     TokenizerInfo,
     Versions,
-    contract_section,
     file_entry,
     sha256_file,
 )
+from optimum_qnn.artifacts.sections import contract_section, mixed_precision_section
 
 logger = logging.getLogger(__name__)
 

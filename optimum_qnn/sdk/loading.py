@@ -247,9 +247,11 @@ def _load_globally(lib_dir: Path, host: Host) -> None:
     `duplicate op key @BlockZap`.
     """
     _import_torch_if_installed()  # import order matters, see above
-    from optimum_qnn.sdk.onnxruntime_ep import bind_onnxruntime_first
+    from optimum_qnn.sdk.onnxruntime_ep import bind_onnxruntime_first, check_single_htp_library
 
     bind_onnxruntime_first()  # onnxruntime loaded after the global loads below would crash (see that module)
+    # onnxruntime-qnn may already run its own copy of the HTP library here: a second one aborts the process.
+    check_single_htp_library(lib_dir / host.htp_library, "ExecuTorch's QNN backend", QnnSdkError)
     for name in host.libraries:
         try:
             ctypes.CDLL(str(lib_dir / name), mode=ctypes.RTLD_GLOBAL)

@@ -16,6 +16,12 @@ Three measured hazards shape this module (x86_64 Linux, onnxruntime 1.32 / onnxr
    global scope is still clean (0.2 s, only when onnxruntime-qnn is installed).
 3. **The QNN execution provider is registered once per process**: a second `register_execution_provider_library`
    with the same name fails, and every session draws its devices from that one registration.
+4. **Two copies of the HTP library in one process abort it.** A QAIRT shell (QAIRT's `envsetup.sh`) sets
+   `QNN_SDK_ROOT` to the SDK's own libraries; ExecuTorch's backend then loads that `libQnnHtp.so`, while the QNN EP
+   loads the one of its package. Measured (two byte-identical copies of the onnxruntime-qnn 2.5.0 libraries): the
+   second copy's first session or device aborts the whole process (SIGABRT, no message), whichever runtime came
+   first. `check_single_htp_library` refuses the second load, naming both copies (a second copy on
+   `LD_LIBRARY_PATH` alone is harmless: both runtimes load their library by its path).
 
 Nothing here imports torch or executorch.
 """
@@ -108,3 +114,45 @@ def qnn_ep_devices() -> list[Any]:
                 )
             _devices = devices
     return _devices
+
+
+HTP_LIBRARY = "libQnnHtp.so"
+
+
+def loaded_htp_libraries() -> list[Path]:
+    """The HTP backend libraries (`libQnnHtp.so`) mapped into this process, read from `/proc/self/maps`; empty where
+    there is no such file (off Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found: dict[str, Path] = {}
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].rsplit("/", 1)[-1] == HTP_LIBRARY:
+            found.setdefault(fields[5], Path(fields[5]))
+    return list(found.values())
+
+
+def check_single_htp_library(wanted: Path, wanted_by: str, error: type[Exception]) -> None:
+    """Raise ``error`` if this process already holds a `libQnnHtp.so` that is not the file ``wanted`` (hazard 4).
+
+    Args:
+        wanted: the HTP library about to be loaded.
+        wanted_by: who loads it, for the message (e.g. ``"onnxruntime-qnn"``).
+        error: the exception type to raise (the caller's own error type).
+    """
+    for loaded in loaded_htp_libraries():
+        try:
+            same = os.path.samefile(loaded, wanted)
+        except OSError:  # a library deleted since it was loaded: surely not the file wanted now
+            same = False
+        if not same:
+            root = os.environ.get("QNN_SDK_ROOT")
+            raise error(
+                f"This process already runs QNN from {loaded}, and {wanted_by} would load a second copy, {wanted}: "
+                "two copies of libQnnHtp.so in one process abort it. This happens in a shell where QAIRT's envsetup.sh "
+                f"set QNN_SDK_ROOT (now {root!r}) to libraries other than onnxruntime-qnn's: unset QNN_SDK_ROOT "
+                "(`unset QNN_SDK_ROOT`) to use onnxruntime-qnn's libraries for both, or run each runtime in a process "
+                "of its own (e.g. `python -m optimum_qnn run FOLDER --device host:onnxruntime`)"
+            )

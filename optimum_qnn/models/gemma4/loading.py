@@ -1,4 +1,5 @@
-"""Load only the Gemma4 text decoder from a checkpoint folder (safetensors), never the vision/audio towers.
+"""Load the Gemma4 text decoder from a checkpoint folder (safetensors) without the towers, and, for image prompts,
+the vision tower with its projection (`load_vision_parts`) without the text decoder; the audio tower never.
 
 `Gemma4ForCausalLM.from_pretrained` on a multimodal checkpoint (keys ``model.language_model.*``) silently leaves
 every weight random, and `Gemma4ForConditionalGeneration` materialises the towers. This loader builds the text
@@ -168,6 +169,28 @@ def _text_key(key: str, multimodal: bool) -> str | None:
     return key
 
 
+def _matching_tensors(files: list[Path], target_of, shapes: dict[str, tuple[int, ...]], report: LoadReport,
+                      unexpected: list[str], wrong_shape: list[str]):
+    """Yield ``(checkpoint key, model key, tensor)`` for each tensor whose model key (``target_of(key)``) the model
+    has, with the shape it has there. A key mapped to None is skipped without being read (``report.skipped``); the
+    others are collected into ``unexpected`` and ``wrong_shape`` for the caller's one refusal."""
+    for file in files:
+        with _open_tensors(file) as (keys, get_tensor):
+            for key in keys:
+                target = target_of(key)
+                if target is None:
+                    report.skipped.append(key)
+                    continue
+                if target not in shapes:
+                    unexpected.append(key)
+                    continue
+                tensor = get_tensor(key)
+                if tuple(tensor.shape) != shapes[target]:
+                    wrong_shape.append(f"{key} {tuple(tensor.shape)} (config wants {shapes[target]})")
+                    continue
+                yield key, target, tensor
+
+
 # The token and per-layer embedding tables: 2.75 B of Gemma-4-E2B's 4.63 B parameters.
 EMBEDDING_TABLES = ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight")
 
@@ -216,30 +239,22 @@ def load_text_model(
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     wrong_shape: list[str] = []
-    for file in files:
-        with _open_tensors(file) as (keys, get_tensor):
-            for key in keys:
-                target = _text_key(key, multimodal)
-                m = _SHARED_KV_KEY.match(target or "")
-                if target is None or (m and int(m.group(1)) in shared_layers):
-                    # Towers, and K/V weights that KV-shared layers carry in some checkpoints but never use.
-                    report.skipped.append(key)
-                    continue
-                if target not in expected:
-                    unexpected.append(key)
-                    continue
-                tensor = get_tensor(key)
-                if tuple(tensor.shape) != shapes[target]:
-                    wrong_shape.append(f"{key} {tuple(tensor.shape)} (config wants {shapes[target]})")
-                    continue
-                keep = (
-                    dtype is None
-                    or not tensor.is_floating_point()
-                    or (tables_in_stored_dtype and target in EMBEDDING_TABLES)
-                    or (matrices_in_stored_dtype and tensor.dim() == 2)
-                )
-                state[target] = tensor if keep else tensor.to(dtype)
-                report.read.append(key)
+
+    def target_of(key: str) -> str | None:
+        target = _text_key(key, multimodal)
+        m = _SHARED_KV_KEY.match(target or "")
+        # Towers, and K/V weights that KV-shared layers carry in some checkpoints but never use.
+        return None if m and int(m.group(1)) in shared_layers else target
+
+    for key, target, tensor in _matching_tensors(files, target_of, shapes, report, unexpected, wrong_shape):
+        keep = (
+            dtype is None
+            or not tensor.is_floating_point()
+            or (tables_in_stored_dtype and target in EMBEDDING_TABLES)
+            or (matrices_in_stored_dtype and tensor.dim() == 2)
+        )
+        state[target] = tensor if keep else tensor.to(dtype)
+        report.read.append(key)
     tied = config.tie_word_embeddings
     if wrong_shape:
         raise CheckpointError(
@@ -332,3 +347,87 @@ def load_assistant(folder: str | Path):
             + "; ".join(f"{len(v)} {k.replace('_', ' ')} (e.g. {sorted(map(str, v))[:3]})" for k, v in bad.items())
         )
     return model.eval()
+
+
+# A multimodal checkpoint's vision tower and its projection into the text model (`load_vision_parts`).
+VISION_PREFIXES = {"model.vision_tower.": "vision_tower.", "model.embed_vision.": "embed_vision."}
+
+
+class VisionParts(torch.nn.Module):
+    """``vision_tower`` (`Gemma4VisionModel`) and ``embed_vision`` (`Gemma4MultimodalEmbedder`), as
+    `Gemma4Model` holds them, without the text decoder or the audio tower."""
+
+    def __init__(self, config: Gemma4Config):
+        super().__init__()
+        self.config = config
+        self.vision_tower = hf.Gemma4VisionModel(config.vision_config)
+        self.embed_vision = hf.Gemma4MultimodalEmbedder(config.vision_config, config.get_text_config())
+
+
+def read_vision_config(folder: Path) -> Gemma4Config:
+    """The `Gemma4Config` of a checkpoint with a vision tower; any other is refused by name."""
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"No config.json in {folder}: is this a Hugging Face model folder?")
+    raw = _read_json(config_path)
+    if raw.get("model_type") != "gemma4" or not raw.get("vision_config"):
+        raise UnsupportedModelError(
+            f"{folder} has no vision tower (model_type {raw.get('model_type')!r}, vision_config "
+            f"{'absent' if not raw.get('vision_config') else 'present'}): images need a multimodal Gemma 4 checkpoint "
+            "(model_type 'gemma4' with a vision_config), e.g. google/gemma-4-e2b; export text generation instead"
+        )
+    read_text_config(Path(folder))  # the same checks of the text config as a text export
+    try:
+        return Gemma4Config.from_pretrained(folder)
+    except Exception as e:  # transformers' validators raise their own types
+        raise CheckpointError(f"{config_path} is not a valid Gemma4 config ({type(e).__name__}: {e})") from None
+
+
+def load_vision_parts(folder: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[VisionParts, LoadReport]:
+    """The vision tower and ``embed_vision`` of a multimodal Gemma 4 checkpoint folder, strictly: every tensor of
+    the two is read with the shape its config gives, and nothing else under their prefixes is accepted.
+
+    Args:
+        folder: a folder with ``config.json`` (model_type ``gemma4`` with a ``vision_config``) and safetensors.
+        dtype: dtype of the loaded floating tensors.
+
+    Returns:
+        The parts in eval mode, and a report of the tensors read and skipped (the text decoder's, the audio tower's).
+
+    Raises:
+        UnsupportedModelError: the checkpoint has no vision tower.
+        CheckpointError: missing, unexpected or misshapen vision tensors.
+    """
+    folder = Path(folder)
+    config = read_vision_config(folder)
+    with torch.device("meta"):
+        parts = VisionParts(config)
+    shapes = {name: tuple(t.shape) for name, t in parts.state_dict().items()}
+    report = LoadReport(files=[f.name for f in _safetensors_files(folder, allow_pickle=False)])
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+
+    def target_of(key: str) -> str | None:
+        prefix = next((p for p in VISION_PREFIXES if key.startswith(p)), None)
+        return None if prefix is None else VISION_PREFIXES[prefix] + key[len(prefix):]
+
+    files = _safetensors_files(folder, allow_pickle=False)
+    for key, target, tensor in _matching_tensors(files, target_of, shapes, report, unexpected, wrong_shape):
+        state[target] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        report.read.append(key)
+    missing = sorted(shapes.keys() - state.keys())
+    if missing or unexpected or wrong_shape:
+        raise CheckpointError(
+            f"Checkpoint {folder} does not match the vision tower of its config: {len(missing)} missing (e.g. "
+            f"{missing[:5]}), {len(unexpected)} unexpected (e.g. {unexpected[:5]}), {len(wrong_shape)} of another "
+            f"shape (e.g. {wrong_shape[:3]}); the config and the weights come from different models"
+        )
+    parts.load_state_dict(state, strict=True, assign=True)
+    # The rotary frequencies are derived, not stored: rebuilt from the config like the text decoder's.
+    parts.vision_tower.encoder.rotary_emb = hf.Gemma4VisionRotaryEmbedding(config.vision_config)
+    left = [n for n, t in [*parts.named_parameters(), *parts.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"Vision tensors left uninitialised after loading: {left[:8]}")
+    logger.info("Loaded %d vision tensors from %s; skipped %d", len(report.read), folder, len(report.skipped))
+    return parts.eval(), report

@@ -24,7 +24,8 @@ RUNNER_NAME = "qnn_llama_runner"
 BACKEND_LIBRARY = "libqnn_executorch_backend.so"
 ANDROID_LIB_DIR = "lib/aarch64-android"
 BUILD_HINT = (
-    "Build ExecuTorch's qnn_llama_runner with ExecuTorch's backends/qualcomm/scripts/build.sh (see docs/running.md, 'Run on a phone') and pass runner=PATH "
+    "Build ExecuTorch's qnn_llama_runner with tools/build_qnn_runner.sh, which runs ExecuTorch's "
+    "backends/qualcomm/scripts/build.sh configuration (see docs/running.md, 'Run on a phone') and pass runner=PATH "
     f"(--runner PATH) or set {RUNNER_ENV}"
 )
 # Where ExecuTorch's CMake build puts the backend library, relative to a build folder (build-android/, build-x86/).

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import built_once
+
 
 @pytest.fixture(scope="session")
 def asym4_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
@@ -14,8 +16,6 @@ def asym4_kv_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
     from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
     from optimum_qnn.exporter.pipeline import export
 
-    out = tmp_path_factory.mktemp("asym4-kv")
     config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.KV, shapes=ShapeConfig(32, 4),
                           embedding_quant=EmbeddingQuant(4, 32, symmetric=False))
-    export(demo_model_dir, out, config)
-    return out
+    return built_once(tmp_path_factory, "asym4-kv", lambda out: export(demo_model_dir, out, config).output)

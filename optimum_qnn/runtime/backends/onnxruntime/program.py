@@ -46,7 +46,9 @@ from optimum_qnn.program import EMULATOR_PD_BYTES, check_emulator_can_hold, chec
 from optimum_qnn.runtime.backends.onnxruntime.cpu_ops import KERNELS, missing_kernels, output_spec
 from optimum_qnn.runtime.backends.onnxruntime.onnx_model import TensorType, ep_context_model
 from optimum_qnn.sdk.loading import cache_home
-from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError, htp_backend_path, package_dir, protect_unwinder, qnn_ep_devices
+from optimum_qnn.sdk.onnxruntime_ep import (
+    OrtBackendError, check_single_htp_library, htp_backend_path, package_dir, protect_unwinder, qnn_ep_devices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +276,9 @@ class OrtProgram:
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         if share:
             options.add_session_config_entry("ep.share_ep_contexts", "1")
-        options.add_provider_for_devices(qnn_ep_devices(), {"backend_path": str(htp_backend_path())})
+        backend = htp_backend_path()
+        check_single_htp_library(backend, "onnxruntime-qnn", OrtBackendError)  # a second copy aborts the process
+        options.add_provider_for_devices(qnn_ep_devices(), {"backend_path": str(backend)})
         try:
             session = onnxruntime.InferenceSession(str(model_path), sess_options=options)
         except Exception as e:  # onnxruntime raises its own exception types (Fail, RuntimeException...)
