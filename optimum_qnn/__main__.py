@@ -159,7 +159,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                 if ids is None:
                     model.text_generation(tokenizer, args.prompt, chat=args.chat, **options)
                 else:
-                    out = model.generate(ids, **options)
+                    out = model.generate_tokens(ids, **options)
                     if tokenizer is None:
                         print(",".join(str(t) for t in out[0, len(ids):].tolist()), flush=True)
         except OptimumQnnError as e:
@@ -169,7 +169,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         print(
             f"[{s.prompt_tokens} prompt + {s.new_tokens} new tokens, stopped by {s.stopped_by} | first token "
             f"{s.time_to_first_token_s:.2f} s | prefill {s.prefill_tokens_per_s:.1f} tok/s | decode "
-            f"{s.decode_tokens_per_s:.1f} tok/s{_speculative_stats(s)} | {model.device}]"
+            f"{s.decode_tokens_per_s:.1f} tok/s{_speculative_stats(s)} | {model.device_name}]"
         )
         return 0
 

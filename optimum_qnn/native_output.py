@@ -52,6 +52,51 @@ def quiet_native_output() -> Iterator[_NativeLog]:
         ours.setLevel(our_level)
 
 
+# What the Python libraries under the runtime log while they are imported, through loggers nobody configured (so
+# Python's last-resort handler or torch's own prints them): torchao's "Failed to load .../_C_mxfp8...so" (CUDA
+# kernels this CPU build has not) and torch.utils._pytree's "register_constant() on Enum subclasses is deprecated".
+_IMPORT_LOGGERS = ("torch", "torchao")
+_IMPORT_WARNING_MODULES = r"(torch|torchao|executorch|transformers)(\.|$)"
+
+
+@contextlib.contextmanager
+def quiet_library_logs() -> Iterator[None]:
+    """Hold back what torch, torchao, executorch and transformers log and warn while the block runs (a model is
+    loaded or generates through the Python API), unless `native_output_shown()`: the API prints nothing unless
+    logging asks for it. Their loggers get their levels back after the block; a record at ERROR still shows."""
+    if native_output_shown():
+        yield
+        return
+    import warnings
+
+    try:
+        import torch  # noqa: F401  (torch sets its loggers up on import: hold them after that)
+    except ImportError:  # the runtime install: nothing of torch's to hold
+        pass
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=_IMPORT_WARNING_MODULES)
+        for logger in loggers:
+            logger.setLevel(max(logger.level, logging.ERROR))
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def quietly(fn):
+    """``fn`` run inside `quiet_library_logs` (a public entry point of the Python API)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with quiet_library_logs():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @contextlib.contextmanager
 def quiet_runtime() -> Iterator[None]:
     """Hold back what the QNN runtime prints while a program is loaded or freed, unless `native_output_shown()`.

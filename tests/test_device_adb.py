@@ -182,7 +182,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
                 "inference_start_ms": 2000, "first_token_ms": 2020, "inference_end_ms": 2300}
     reply.write_text(json.dumps({"text": text, "observer": observer}))
     model = load(artifact)
-    assert type(model.backend).__name__ == "RunnerBackend" and model.device == "adb:PHONE1"
+    assert type(model.backend).__name__ == "RunnerBackend" and model.device_name == "adb:PHONE1"
     assert sorted(phone.pushed()) == sorted([
         "qnn_llama_runner", "libqnn_executorch_backend.so", "libQnnHtp.so", "libQnnHtpV75Stub.so",
         "libQnnHtpPrepare.so", "libQnnSystem.so", "libQnnHtpV75Skel.so", "model.pte", "tokenizer.json",
@@ -199,7 +199,7 @@ def test_generate_drives_the_runner_with_token_ids(artifact, setup, phone, token
 
     prompt = [2, 40, 41, 42, 43]
     out = model.generate(torch.tensor(prompt), max_new_tokens=len(ids), streamer=Streamer())
-    assert out.tolist() == [prompt + ids] and streamed == ids + ["end"]
+    assert out.tolist() == [prompt + ids] and streamed == prompt + ids + ["end"]  # the prompt first, as transformers
     seen = json.loads(record.read_text())
     argv = seen["argv"]
     flags = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
@@ -285,7 +285,7 @@ def test_phone_path_kv_variant_callers_eos_text_and_sampling(artifact, setup, ph
     assert bytes(json.loads(record.read_text())["prompt"]) == struct.pack(f"<{len(want)}Q", *want)
 
     # Sampling: the temperature reaches the runner; what its sampler lacks is refused without a run.
-    model.generate(prompt, max_new_tokens=len(ids), do_sample=True, temperature=0.7)
+    model.generate(prompt, max_new_tokens=len(ids), do_sample=True, temperature=0.7, top_k=0)  # no top-k there
     argv = json.loads(record.read_text())["argv"]
     assert float(argv[argv.index("--temperature") + 1]) == 0.7
     runs = len(phone.calls("shell"))

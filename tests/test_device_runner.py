@@ -108,7 +108,7 @@ def test_stand_in_runner_gets_the_argv_workspace_and_library_path_of_the_local_t
     tok = AutoTokenizer.from_pretrained(demo_model_dir)
     runner, reply, record = _stand_in(tmp_path / "build")
     model = QNNModelForCausalLM.from_pretrained(root, device="runner", runner=runner)
-    assert model.device == "runner" and model.backend.shared_buffer is False  # x86: the emulator has no RPC memory
+    assert model.device_name == "runner" and model.backend.shared_buffer is False  # x86: the emulator has no RPC memory
     reply.write_text(json.dumps({"text": " is used", "n": 2}))
     for prompt in _prompts(tok):
         model.generate(prompt, max_new_tokens=24, eos_token_id=[])

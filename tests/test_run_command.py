@@ -21,7 +21,7 @@ def test_run_prompt_prints_the_text_then_one_stats_line(fp16_export, fp16_model,
     assert text == want and want.strip()
     prompt_tokens = fp16_model.stats.prompt_tokens
     assert stats.startswith(f"[{prompt_tokens} prompt + {fp16_model.stats.new_tokens} new tokens, stopped by ")
-    assert stats.endswith(f"| {fp16_model.device}]") and "host" in str(fp16_model.device)
+    assert stats.endswith(f"| {fp16_model.device_name}]") and "host" in fp16_model.device_name
     assert "Traceback" not in err and "[INFO]" not in out + err
 
 

@@ -23,20 +23,19 @@ from tests.conftest import REPO_ROOT, built_once
 PROMPTS = [[2, 40, 41, 42, 43, 44, 45], [2] + list(range(100, 131))]
 NEW_TOKENS = 12
 
-_SCRIPT = r"""
-import json, sys
-from optimum_qnn import QNNModelForCausalLM
-try:
-    import torch
-    raise SystemExit("torch is importable in the runtime venv")
-except ModuleNotFoundError:
-    pass
-for name in ("executorch", "transformers"):
+# The first lines of a script run in the runtime venv: it fails unless the full stack is absent there.
+NO_FULL_STACK = r"""
+for name in ("torch", "executorch", "transformers"):
     try:
         __import__(name)
         raise SystemExit(name + " is importable in the runtime venv")
     except ModuleNotFoundError:
         pass
+"""
+
+_SCRIPT = NO_FULL_STACK + r"""
+import json, sys
+from optimum_qnn import QNNModelForCausalLM
 args = json.loads(sys.argv[1])
 out = {}
 for folder in args["folders"]:
@@ -45,7 +44,7 @@ for folder in args["folders"]:
     for prompt in args["prompts"]:
         ids = model.generate(prompt, max_new_tokens=args["new"], eos_token_id=[])
         tokens.append(ids[0, len(prompt):].tolist())
-    out[folder] = {"tokens": tokens, "device": model.device}
+    out[folder] = {"tokens": tokens, "device": model.device_name}
 if args.get("chat"):
     class Collect:
         def __init__(self): self.tokens = []

@@ -99,7 +99,7 @@ class ChatSession:
         ids, text_so_far, dropped, turns = self._prompt(turns, DEFAULT_MAX_NEW_TOKENS if asked is None else asked)
         if asked is None:
             options["max_new_tokens"] = limits_of(self.model).default_max_new_tokens(len(ids))
-        out = self.model.generate(ids, streamer=streamer, cancel=cancel, reuse_cache=True, **options)
+        out = self.model.generate_tokens(ids, streamer=streamer, cancel=cancel, reuse_cache=True, **options)
         new = out[0, len(ids):].tolist()
         stats = self.model.stats
         stats.dropped_turns = dropped

@@ -90,4 +90,4 @@ class Limits:
 
 def limits_of(model: Any) -> Limits:
     """The `Limits` of a loaded `QNNModelForCausalLM` on the backend it runs on."""
-    return Limits.of(model.contract, model.device)
+    return Limits.of(model.contract, model.device_name)

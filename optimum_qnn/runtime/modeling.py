@@ -29,6 +29,7 @@ from optimum_qnn.artifacts.writer import INDEX_NAME, read_index
 from optimum_qnn.contract import RunnerContract
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.ops.arrays import like
+from optimum_qnn.native_output import quietly
 from optimum_qnn.runtime.assistant import assistant_of
 from optimum_qnn.runtime.backends.device import DeviceSpec
 from optimum_qnn.runtime.generation import (
@@ -37,6 +38,7 @@ from optimum_qnn.runtime.generation import (
 )
 from optimum_qnn.runtime.limits import limits_of
 from optimum_qnn.runtime.stops import text_stop_ids
+from optimum_qnn.runtime.transformers_api.model_api import TransformersModelMixin
 
 if TYPE_CHECKING:
     from optimum_qnn.runtime.chat import ChatSession
@@ -46,14 +48,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["QNNModelForCausalLM", "VariantNotFoundError"]
 
 
-class QNNModelForCausalLM:
-    """A QNN-exported Gemma4 causal LM, run through ExecuTorch's runtime (QNN HTP delegate).
+class QNNModelForCausalLM(TransformersModelMixin):
+    """A QNN-exported Gemma4 causal LM, run through one of the runtime backends, with the face of a transformers
+    model: `generate` takes what transformers' takes, and ``config``, ``generation_config``, ``device``, ``dtype``,
+    ``save_pretrained`` and ``pipeline()`` work (`runtime.transformers_api`).
 
     Example:
 
     ```python
+    >>> from transformers import AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained("out/")
     >>> model = QNNModelForCausalLM.from_pretrained("out/", soc="SM8650", quant="fp16")
-    >>> model.generate(input_ids, max_new_tokens=32)
+    >>> out = model.generate(**tokenizer("The for statement is used to", return_tensors="pt"), max_new_tokens=32)
+    >>> tokenizer.decode(out[0])
     ```
     """
 
@@ -76,11 +83,13 @@ class QNNModelForCausalLM:
         return self.backend.stats
 
     @property
-    def device(self) -> str:
-        """Where the tokens are computed: ``host``, ``runner`` or ``adb:SERIAL``."""
+    def device_name(self) -> str:
+        """Where the tokens are computed: ``host:executorch``, ``host:onnxruntime``, ``runner`` or ``adb:SERIAL``
+        (``device`` is where the inputs and outputs live, as on a transformers model)."""
         return self.backend.name
 
     @classmethod
+    @quietly
     def from_pretrained(
         cls,
         repo_or_dir: str | Path,
@@ -181,11 +190,41 @@ class QNNModelForCausalLM:
     def eos_token_ids(self) -> list[int]:
         return list(self.manifest.tokenizer.eos_ids)
 
-    def generate(
+    @quietly
+    def generate(self, input_ids: Any = None, attention_mask: Any = None, generation_config: Any = None,
+                 **kwargs: Any) -> Any:
+        """Generate as transformers' ``generate`` does, on this model's backend (`transformers_api.generate`).
+
+        Args:
+            input_ids: ``[batch, length]`` ids (a torch tensor, a numpy array, a list of rows; one row may be 1-D).
+            attention_mask: the tokenizer's mask; rows are left-padded. Each row runs by itself, its padding stripped
+                and put back in the output.
+            generation_config: a transformers ``GenerationConfig`` or a dict of its fields, over
+                ``self.generation_config`` (the checkpoint's ``generation_config.json``).
+            kwargs: its fields (``max_new_tokens``, ``max_length``, ``min_new_tokens``, ``do_sample``,
+                ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``,
+                ``stop_strings``, ``num_return_sequences``, ``return_dict_in_generate``, ``output_scores``,
+                ``output_logits``, ``max_time``), ``streamer``, ``tokenizer`` (for ``stop_strings``),
+                ``logits_processor`` and ``stopping_criteria`` (transformers' objects, on a host device), and
+                optimum-qnn's ``generator``, ``reuse_cache``, ``cancel`` and ``speculative`` (see `generate_tokens`).
+                What the program cannot do (``num_beams > 1``, ``assistant_model``, ...) raises
+                `UnsupportedParameterError` naming it.
+
+        Returns:
+            ``[batch * num_return_sequences, length + new]`` ids (a torch tensor when ``input_ids`` is one, else
+            numpy), or with ``return_dict_in_generate=True`` transformers' ``GenerateDecoderOnlyOutput`` (numpy
+            fields in a dict-like output without transformers).
+        """
+        from optimum_qnn.runtime.transformers_api.generate import hf_generate
+
+        return hf_generate(self, input_ids, attention_mask, generation_config, **kwargs)
+
+    def generate_tokens(
         self,
         input_ids: Any,
         max_new_tokens: int | None = None,
         *,
+        sampling: Any = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int | None = None,
@@ -197,9 +236,12 @@ class QNNModelForCausalLM:
         cancel: Callable[[], bool] | None = None,
         speculative: str | None = None,
     ) -> Any:
-        """Generate up to ``max_new_tokens`` after ``input_ids`` (a list of ints, a numpy array or a torch tensor);
+        """One sequence, with optimum-qnn's own defaults (greedy, EOS from the manifest; what ``chat``, ``serve`` and
+        ``run`` use): up to ``max_new_tokens`` after ``input_ids`` (a list of ints, a numpy array or a torch tensor);
         returns ``[1, prompt + new]`` ids: a torch tensor when ``input_ids`` is one, else a numpy int64 array.
-        ``generator``: a ``numpy.random.Generator`` or a ``torch.Generator`` for repeatable sampling.
+        ``generator``: a ``numpy.random.Generator`` or a ``torch.Generator`` for repeatable sampling. ``sampling``:
+        an object whose ``pick(logits)`` chooses each token (`transformers_api.choosing.RowChooser`), instead of
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``generator``.
 
         ``max_new_tokens`` unset: `limits.DEFAULT_MAX_NEW_TOKENS`, at most the room the context leaves after the
         prompt on this backend (`limits.Limits`, the rule of every face); a prompt longer than the backend takes
@@ -230,7 +272,8 @@ class QNNModelForCausalLM:
         if not isinstance(reuse_cache, bool):
             raise InvalidInputError(f"reuse_cache must be True or False; got {reuse_cache!r}")
         check_speculative(speculative, self.speculative_choices, self.variant.name)
-        sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
+        if sampling is None:
+            sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         extra = {} if speculative is None else {"speculative": speculative}
         new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer,
                                     reuse_cache=reuse_cache, cancel=cancel, **extra)
@@ -303,7 +346,7 @@ class QNNModelForCausalLM:
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         kwargs.setdefault("eos_token_id", text_stop_ids(self.manifest.tokenizer.eos_ids, tokenizer, chat))
-        out = self.generate(list(ids), **kwargs)
+        out = self.generate_tokens(list(ids), **kwargs)
         return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 

@@ -22,7 +22,7 @@ def run(chat: ChatSession, *, verbose: bool = False, stdin: TextIO | None = None
     out = sys.stdout if out is None else out  # read now: a command's console control may have replaced it
     model = chat.model
     out.write(f"Chat with {model.name} ({model.manifest.target.soc}, {model.manifest.quantization.scheme}, context "
-              f"{model.contract.context_len}) on {model.device}. {HELP}.\n")
+              f"{model.contract.context_len}) on {model.device_name}. {HELP}.\n")
     out.flush()
     while True:
         try:

@@ -36,6 +36,7 @@ class InProcessBackend:
     runtime = ""  # the subclass's: "executorch" or "onnxruntime"
     streams = True  # the streamer gets each token as it is generated
     runs_assistant = True  # decodes with a variant's drafter (speculative="assistant"); a C++ runner cannot
+    applies_logits = True  # sees each row of logits: `sampling.pick` may apply any rule (transformers' processors)
 
     @property
     def name(self) -> str:

@@ -144,7 +144,7 @@ class Service:
             ids = self.tokenizer(completion_prompt(body), add_special_tokens=True)["input_ids"]
         if self.limits.room(len(ids)) < 1:
             fits = "" if self.limits.max_prompt >= self.capacity else (
-                f" (on {self.model.device}, a prompt may hold at most {self.limits.max_prompt})")
+                f" (on {self.model.device_name}, a prompt may hold at most {self.limits.max_prompt})")
             raise ApiError(
                 400, f"This model's maximum context length is {self.capacity} tokens{fits}. However, your "
                 f"{'messages' if chat else 'prompt'} resulted in {len(ids)} tokens, with none left to generate. "
@@ -171,7 +171,7 @@ class Service:
     async def health(self, request: HttpRequest) -> Response:
         m = self.model
         return JSONResponse({
-            "status": "ok", "model": self.name, "device": m.device, "soc": m.manifest.target.soc,
+            "status": "ok", "model": self.name, "device": m.device_name, "soc": m.manifest.target.soc,
             "context_len": self.capacity, "busy": self.engine.busy, "queue_size": self.engine.queue_size,
             "last_generation": self.engine.last,
         })
@@ -349,7 +349,7 @@ def serve(model: Any, tokenizer: Any = None, *, host: str = "127.0.0.1", port: i
     service = app.state.service
     server = _server_class()(config, service, grace)
     print(f"Serving {service.name!r} ({model.manifest.target.soc}, {model.manifest.quantization.scheme}, context "
-          f"{service.capacity}, on {model.device}) at http://{host}:{port}/v1"
+          f"{service.capacity}, on {model.device_name}) at http://{host}:{port}/v1"
           + (" (API key required)" if api_key else "") + ". Ctrl-C stops.", flush=True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again to the handler that was there
     # before it: with these, that ends here, and the command exits 0 after a clean stop.

@@ -125,7 +125,7 @@ class Engine:
             try:
                 speculative = getattr(self.model, "default_speculative", None)  # lookahead when exported for it
                 options = {**({"speculative": speculative} if speculative else {}), **job.options}
-                self.model.generate(job.ids, streamer=streamer, cancel=job.cancelled.is_set, reuse_cache=True,
+                self.model.generate_tokens(job.ids, streamer=streamer, cancel=job.cancelled.is_set, reuse_cache=True,
                                     **options)
             except Exception as e:  # the worker outlives a failing backend; the server answers with the error
                 job.error, job.finish_reason = e, "error"
