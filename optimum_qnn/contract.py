@@ -25,6 +25,9 @@ DECODE_METHOD = "kv_forward"
 DRAFT_METHOD = "draft_forward"
 # The extra last output of a target built for an assistant: its final hidden state, what the drafter reads.
 HIDDEN_OUTPUT = "hidden"
+# The last inputs of an image variant's prefill method: soft tokens [1, ar, hidden] (an image's embeddings, as the
+# vision encoder gives them) and where they go [1, ar, 1] (1 at an image placeholder, else 0).
+IMAGE_INPUTS = ("image_embeds", "image_mask")
 
 
 class AttentionKind(enum.Enum):
@@ -120,6 +123,11 @@ class MethodSpec:
         ring cache of a sliding layer is shorter (`RunnerContract.ring_len`)."""
         return self.inputs[1].shape[-1] - self.ar_len
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether this method takes soft tokens (`IMAGE_INPUTS`, its last two inputs)."""
+        return len(self.inputs) >= 2 and self.inputs[-1].name == IMAGE_INPUTS[1]
+
 
 def column_blocks(cache_len: int, block_len: int | None) -> list[tuple[int, int]]:
     """The ``[start, end)`` slot ranges of a cache of ``cache_len`` slots cut into blocks of ``block_len`` (the last
@@ -176,14 +184,19 @@ class RunnerContract:
         cache_layout: CacheLayout = CacheLayout.FULL,
         hidden_size: int | None = None,
         block_len: int | None = None,
+        image_size: int | None = None,
     ) -> "RunnerContract":
         """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call;
         ``hidden_size``: every method also outputs ``hidden`` [1, ar, hidden_size], last (variants with an assistant);
-        ``block_len``: slots per cache block, for (and only for) the blocks layout."""
+        ``block_len``: slots per cache block, for (and only for) the blocks layout; ``image_size``: the prefill method
+        also takes soft tokens of that width, last (`IMAGE_INPUTS`: an image variant)."""
         ring = check_ring(cache_layout, layers, context_len, sliding_window)
         check_block_len(cache_layout, block_len)
+        if image_size is not None and PREFILL_METHOD not in ar_lens:
+            raise ValueError("soft tokens (an image's embeddings) enter through the prefill method; this contract has none")
         methods = tuple(
-            _method_spec(name, ar, layers, vocab_size, context_len, ring, hidden_size, block_len)
+            _method_spec(name, ar, layers, vocab_size, context_len, ring, hidden_size, block_len,
+                         image_size if name == PREFILL_METHOD else None)
             for name, ar in ar_lens.items()
         )
         check_same_blocks(context_len, ar_lens, block_len)
@@ -375,7 +388,8 @@ def check_same_blocks(context_len: int, ar_lens: dict[str, int], block_len: int 
 
 
 def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, context_len: int,
-                 ring: int | None = None, hidden_size: int | None = None, block_len: int | None = None) -> MethodSpec:
+                 ring: int | None = None, hidden_size: int | None = None, block_len: int | None = None,
+                 image_size: int | None = None) -> MethodSpec:
     if not 0 < ar < context_len:
         raise ValueError(f"ar_len {ar} of method {name} must be in [1, {context_len - 1}]")
     owners = [layer for layer in layers if layer.owns_cache]
@@ -411,6 +425,8 @@ def _method_spec(name: str, ar: int, layers: tuple[LayerSpec, ...], vocab: int, 
     outputs += [TensorSpec(f"v_new_{l.index}", (1, l.kv_heads, ar, l.head_dim), "float32") for l in owners]
     if hidden_size is not None:
         outputs.append(TensorSpec(HIDDEN_OUTPUT, (1, ar, hidden_size), "float32"))
+    if image_size is not None:
+        inputs += [TensorSpec(IMAGE_INPUTS[0], (1, ar, image_size), "float32"), TensorSpec(IMAGE_INPUTS[1], (1, ar, 1), "float32")]
     return MethodSpec(name, ar, tuple(inputs), tuple(outputs))
 
 

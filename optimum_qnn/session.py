@@ -136,18 +136,21 @@ class KVSession:
             c = self.contract
             buffers = self._method_inputs[spec.name] = _MethodInputs(
                 spec.ar_len, c.context_len, c.sliding_window, self.mask_spec.dtype, c.mask_attend, c.mask_masked,
-                ring_len=c.ring_len,
+                ring_len=c.ring_len, image_size=spec.inputs[-2].shape[-1] if spec.takes_images else None,
             )
         return buffers
 
-    def _call(self, spec, chunk: np.ndarray) -> np.ndarray:
-        """One call of ``spec`` on up to ar_len tokens (padded after the real ones); returns their logits."""
+    def _call(self, spec, chunk: np.ndarray, images: "SoftTokens | None" = None) -> np.ndarray:
+        """One call of ``spec`` on up to ar_len tokens (padded after the real ones), with the soft tokens among
+        them (``images``, the chunk's rows); returns their logits."""
         cache_len = spec.cache_len
         n_valid = chunk.size
         if self.n_past > cache_len:
             raise ContextOverflowError(f"{self.n_past} tokens do not fit the {cache_len} cache slots of {spec.name}")
         buffers = self._inputs_of(spec)
         buffers.update(chunk, self.n_past)
+        if spec.takes_images:
+            buffers.set_images(images)
         outputs = self.methods[spec.name](self._inputs(spec, buffers))
         self._keep_hidden(spec, outputs, n_valid)
         self._store(outputs, chunk, np.arange(n_valid))
@@ -255,6 +258,8 @@ class KVSession:
                     inputs += [_first(b, axis, e - s) for b, (s, e) in zip(buf, blocks)]
                 else:
                     inputs.append(buf if ring else _first(buf, axis, cache_len))
+        if spec.takes_images:
+            inputs += [buffers.image_embeds, buffers.image_mask]
         return inputs
 
     def _check(self, ids: Any, capacity: int | None = None) -> np.ndarray:
@@ -272,23 +277,43 @@ class KVSession:
             raise InvalidInputError(f"Token ids must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
         return ids
 
-    def feed(self, ids: Any) -> Any:
+    def feed(self, ids: Any, images: "SoftTokens | None" = None) -> Any:
         """Append ``ids`` (1-D: numpy, a list, or a torch tensor) to the context; returns their logits
         ``[len(ids), vocab]`` (float32; a torch tensor when ``ids`` is one, else numpy).
 
-        Whole prefill chunks go through the prefill method while they fit; the rest goes token by token.
+        Whole prefill chunks go through the prefill method while they fit; the rest goes token by token. ``images``:
+        soft tokens among ``ids`` (an image variant's), which only the prefill method takes: every chunk up to the
+        last soft token goes through it. At a soft token's place ``ids`` hold the pad id, as Gemma4Model looks it up.
         """
         given, ids = ids, self._check(ids)
+        last_image = self._check_images(images, ids.size)
         logits: list[np.ndarray] = []
         start = 0
         spec = self.prefill_spec
-        while spec is not None and start < ids.size and self.n_past <= spec.cache_len and ids.size - start > 1:
+        while spec is not None and start < ids.size and self.n_past <= spec.cache_len and (ids.size - start > 1 or start <= last_image):
             chunk = ids[start : start + spec.ar_len]
-            logits.append(self._call(spec, chunk))
+            logits.append(self._call(spec, chunk, images and images.rows(start, start + chunk.size)))
             start += chunk.size
+        if start <= last_image:
+            raise ContextOverflowError(f"The soft tokens up to position {self.n_past + last_image} do not fit the "
+                                       f"{spec.cache_len} cache slots of {spec.name}, the method that takes them")
         for i in range(start, ids.size):
             logits.append(self._call(self.decode_spec, ids[i : i + 1]))
         return _joined(given, logits)
+
+    def _check_images(self, images: "SoftTokens | None", n: int) -> int:
+        """The index of the last soft token among ``n`` ids (-1: none); refuses soft tokens this session cannot take."""
+        if images is None or not images.mask.any():
+            return -1
+        spec = self.prefill_spec
+        if spec is None or not spec.takes_images:
+            raise InvalidInputError("This variant takes no images (its prefill method has no soft-token inputs); "
+                                    "export it with --task image-text-to-text")
+        width = spec.inputs[-2].shape[-1]
+        if images.mask.shape != (n,) or images.embeds.shape != (n, width):
+            raise InvalidInputError(f"Soft tokens must be [{n}, {width}] rows with a mask of {n}; got "
+                                    f"{images.embeds.shape} and {images.mask.shape}")
+        return int(np.flatnonzero(images.mask)[-1])
 
     def feed_method(self, method: str, ids: Any) -> Any:
         """Append ``ids`` through one method only, in calls of its ar_len (the last one padded)."""
@@ -324,13 +349,26 @@ def _zeros(spec, slot_axis: int, slots: int | None) -> np.ndarray:
     return np.zeros(shape, dtype=spec.dtype)
 
 
+class SoftTokens:
+    """An image's embeddings among a prompt's ids: ``embeds`` ``[n, hidden]`` float32 (rows where ``mask`` is False
+    are not read) and ``mask`` ``[n]`` bool, True at each soft token's place."""
+
+    def __init__(self, embeds: Any, mask: Any):
+        self.embeds = np.asarray(as_numpy(embeds), dtype=np.float32)
+        self.mask = np.asarray(as_numpy(mask), dtype=bool).reshape(-1)
+
+    def rows(self, start: int, end: int) -> "SoftTokens":
+        return SoftTokens(self.embeds[start:end], self.mask[start:end])
+
+
 class _MethodInputs:
     """The preallocated non-cache inputs of one method: tokens, both masks and positions, updated in place.
 
     Masks hold ``attend`` / ``masked`` (float 0 / `MASK_MIN`, or their quantized values for integer IO)."""
 
     def __init__(self, ar_len: int, context_len: int, window: int | None, mask_dtype: Any = np.float32,
-                 attend: float = 0.0, masked: float = MASK_MIN, *, ring_len: int | None = None):
+                 attend: float = 0.0, masked: float = MASK_MIN, *, ring_len: int | None = None,
+                 image_size: int | None = None):
         self.ar_len, self.context_len, self.window, self.ring_len = ar_len, context_len, window, ring_len
         self.attend, self.masked = attend, masked
         self.tokens = np.zeros((1, ar_len), dtype=np.int64)
@@ -339,6 +377,18 @@ class _MethodInputs:
         sliding_cols = context_len if ring_len is None else ring_len + ar_len
         self.sliding_mask = np.empty((1, 1, ar_len, sliding_cols), dtype=mask_dtype)
         self._state: tuple[int, int] | None = None  # (n_past, n_valid) the masks describe
+        if image_size is not None:
+            self.image_embeds = np.zeros((1, ar_len, image_size), dtype=np.float32)
+            self.image_mask = np.zeros((1, ar_len, 1), dtype=np.float32)
+
+    def set_images(self, images: SoftTokens | None) -> None:
+        """The soft-token inputs of the next call: ``images``' rows, zeros (text) elsewhere."""
+        self.image_embeds[...] = 0
+        self.image_mask[...] = 0
+        if images is not None:
+            n = images.mask.size
+            self.image_mask[0, :n, 0] = images.mask
+            self.image_embeds[0, :n][images.mask] = images.embeds[images.mask]
 
     def update(self, chunk: np.ndarray, n_past: int) -> None:
         n_valid = chunk.size

@@ -18,13 +18,13 @@ import re
 
 import torch
 
-from optimum_qnn.contract import MethodSpec, RunnerContract
+from optimum_qnn.contract import IMAGE_INPUTS, MethodSpec, RunnerContract
 
 _BLOCK_SUFFIX = re.compile(r"_block\d+$")
 
 # Inputs that become integer IO: the two masks and every cache. Every output does, but the hidden states a Gemma 4
 # assistant reads and returns (float32 at both ends, so a drafter step can take either: docs/assistant.md).
-_FLOAT_INPUTS = ("tokens", "input_pos", "hidden")
+_FLOAT_INPUTS = ("tokens", "input_pos", "hidden", *IMAGE_INPUTS)  # soft tokens: the encoder's float output
 FLOAT_OUTPUTS = ("hidden", "hidden_out")
 
 

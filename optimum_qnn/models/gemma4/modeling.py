@@ -42,7 +42,7 @@ class StaticCausalLM:
     def from_hf(
         cls, hf_model: nn.Module, *, max_context_len: int, ar_len: int | None = None, quantized: bool = False,
         cache_layout: CacheLayout = CacheLayout.FULL, hidden_output: bool = False, decode_ar_len: int = 1,
-        block_len: int | None = None,
+        block_len: int | None = None, image_inputs: bool = False,
     ) -> "StaticCausalLM":
         """Swap a `Gemma4ForCausalLM` (or the text decoder of a `Gemma4ForConditionalGeneration`) into static modules.
 
@@ -60,6 +60,8 @@ class StaticCausalLM:
                 gets no window band: the host's tree mask applies the window by position.
             block_len: with ``CacheLayout.BLOCKS``, the slots per cache block (the exporter chooses it from the
                 target's VTCM, `exporter.htp_limits.block_len_for`).
+            image_inputs: the prefill method also takes soft tokens, an image's embeddings (`contract.IMAGE_INPUTS`),
+                merged as `Gemma4ForConditionalGeneration` merges them; needs ``ar_len`` above 1.
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -85,6 +87,8 @@ class StaticCausalLM:
         ar_lens = {DECODE_METHOD: decode_ar_len}
         if ar_len is not None and ar_len > 1:
             ar_lens = {PREFILL_METHOD: ar_len, DECODE_METHOD: decode_ar_len}
+        if image_inputs and PREFILL_METHOD not in ar_lens:
+            raise InvalidInputError("Soft tokens (an image's embeddings) enter through the prefill method: give ar_len > 1")
         cache_layout = CacheLayout.parse(cache_layout)
         window = text_config.sliding_window if "sliding_attention" in text_config.layer_types else None
         try:  # before the swap: a ring that cannot help is refused before any module is built
@@ -94,7 +98,8 @@ class StaticCausalLM:
             raise InvalidInputError(str(e)) from None
         options = StaticOptions(max_context_len=max_context_len, quantized=quantized,
                                 ar_lens=tuple(ar for ar in ar_lens.values() if decode_ar_len == 1 or ar != decode_ar_len),
-                                ring_len=ring, hidden_output=hidden_output, block_len=block_len)
+                                ring_len=ring, hidden_output=hidden_output, block_len=block_len,
+                                image_ar_len=ar_len if image_inputs else None)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)
@@ -107,6 +112,7 @@ class StaticCausalLM:
             cache_layout=cache_layout,
             hidden_size=text_config.hidden_size if hidden_output else None,
             block_len=block_len,
+            image_size=text_config.hidden_size if image_inputs else None,
         )
         logger.info("Swapped %d modules:\n%s", len(report.swapped), report.table())
         return cls(module, contract, report, text_config)

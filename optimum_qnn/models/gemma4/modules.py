@@ -62,6 +62,10 @@ class StaticOptions:
     # Also return the final hidden state (after the norm): what an MTP drafter beside the target reads
     # (docs/assistant.md). Only variants built with an assistant have it, so the runner contract stays as it was.
     hidden_output: bool = False
+    # The tokens per call of the method (prefill) that also takes soft tokens (an image's embeddings,
+    # `contract.IMAGE_INPUTS`), merged into the token embeddings where ``image_mask`` is 1 as Gemma4Model merges an
+    # image's features; None: text only.
+    image_ar_len: int | None = None
 
 
 class StaticRMSNorm(nn.Module):
@@ -298,8 +302,16 @@ class StaticGemma4TextModel(nn.Module):
         input_pos: torch.Tensor,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
+        image_embeds: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         h = self.embed_tokens(tokens)
+        if image_embeds is not None:
+            # Gemma4Model's merge: soft tokens as they are (unscaled) where the mask is 1, the scaled token embedding
+            # elsewhere; the host puts the pad id at the soft tokens' places, so the PLE lookup below reads pad's row
+            # there and the PLE projection reads the merged embeddings, as Hugging Face computes them. Exact in
+            # float: 0 * x + 1 * y is y.
+            h = h * (1.0 - image_mask) + image_embeds * image_mask
         ple = self.per_layer_inputs(tokens, h) if self.ple_dim else None
         # One lookup per attention kind, in layer order: a set's order follows the string hash (PYTHONHASHSEED), and
         # the traced graph's node order, hence the HTP context's bytes, would differ from one process to the next.
@@ -362,6 +374,8 @@ class StaticGemma4ForCausalLM(nn.Module):
         ring = ctx.options.ring_len is not None
         self.blocked = [self.block_len is not None and not (ring and spec.attention is AttentionKind.SLIDING)
                         for spec in self.model.layer_specs if spec.owns_cache]
+        # The call that takes the soft-token inputs, last (`contract.IMAGE_INPUTS`): prefill's.
+        self.image_ar = ctx.options.image_ar_len
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -375,8 +389,11 @@ class StaticGemma4ForCausalLM(nn.Module):
         input_pos: torch.Tensor,
         *caches: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
+        images: tuple[torch.Tensor, ...] = ()
+        if tokens.shape[1] == self.image_ar:
+            caches, images = caches[:-2], caches[-2:]
         k_caches, v_caches = self._grouped(caches, tokens.shape[1])
-        h, k_new, v_new = self.model(tokens, atten_mask, sliding_atten_mask, input_pos, k_caches, v_caches)
+        h, k_new, v_new = self.model(tokens, atten_mask, sliding_atten_mask, input_pos, k_caches, v_caches, *images)
         logits = self.lm_head(h)
         if self.final_logit_softcapping is not None:
             logits = softcap(logits, self.final_logit_softcapping, quantized=self.quantized)
