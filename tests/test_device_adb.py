@@ -315,7 +315,7 @@ def test_adb_errors(artifact, setup, phone, monkeypatch, tmp_path):
     phone.set(devices=[["A1", "device"], ["B2", "device"]])
     with pytest.raises(DeviceError, match=r"Several phones are connected \(A1 \(device\), B2 \(device\)\): pick one with device='adb:SERIAL'"):
         load(artifact)
-    assert load(artifact, device="adb:B2").device == "adb:B2"
+    assert load(artifact, device="adb:B2").device_name == "adb:B2"
     assert {tuple(a[:2]) for a in map(json.loads, phone.log.read_text().splitlines()) if "push" in a} == {("-s", "B2")}
     with pytest.raises(DeviceError, match="No phone with serial 'C3'"):
         load(artifact, device="adb:C3")
@@ -358,7 +358,7 @@ def test_missing_runner_libraries_and_old_qairt(artifact, setup, phone, monkeypa
     lib.write_bytes(b"\x7fELF backend")
     nested = write_runner(build / "examples/qualcomm/oss_scripts/llama", "")
     (nested.parent / "libqnn_executorch_backend.so").unlink()
-    assert load(artifact, runner=nested).device == "adb:PHONE1"
+    assert load(artifact, runner=nested).device_name == "adb:PHONE1"
     monkeypatch.setenv("QNN_LLAMA_RUNNER", runner)
     (Path(runner).parent / "libqnn_executorch_backend.so").write_bytes(b"\x7fELF backend")
 
@@ -400,7 +400,7 @@ def test_runner_crash_reports_its_stderr(artifact, setup, phone, monkeypatch, tm
         (dict(input_ids=[2, 3], max_new_tokens=2.5), "max_new_tokens must be an integer"),
     ]:
         with pytest.raises(InvalidInputError, match=message):
-            model.generate(**bad)
+            model.generate_tokens(**bad)  # one sequence, as chat and serve ask (generate takes a batch, as HF's)
 
 
 def test_run_command_streams_text_and_prints_stats(artifact, setup, phone, tokenizer, capsys):

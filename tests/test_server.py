@@ -162,7 +162,7 @@ def test_the_queue_limit_under_concurrent_clients(fp16_model, monkeypatch):
     """Deterministic: the first generation is held until the second waits in the queue of one and the third and fourth
     were refused; then it runs. Exactly two answers and two 429s with Retry-After, whatever the timing."""
     release, started = threading.Event(), threading.Event()
-    real = fp16_model.generate
+    real = fp16_model.generate_tokens  # what the server calls
 
     def held(*args, **kwargs):
         if not started.is_set():
@@ -170,7 +170,7 @@ def test_the_queue_limit_under_concurrent_clients(fp16_model, monkeypatch):
             assert release.wait(120), "the test never released the first generation"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp16_model, "generate", held)
+    monkeypatch.setattr(fp16_model, "generate_tokens", held)
     with running(fp16_model, queue_size=1) as url:
         c = client(url)
 

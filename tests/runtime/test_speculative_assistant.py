@@ -371,10 +371,11 @@ def test_the_model_decodes_with_its_assistant_by_default_in_chat_and_serve():
     model = QNNModelForCausalLM(Path("art"), Path("art/variant"), backend.manifest, backend)
     assert model.speculative_choices == ("assistant",) and model.default_speculative == "assistant"
     prompt = _prompt(5).tolist()
-    got = model.generate(prompt, max_new_tokens=12, eos_token_id=[], speculative="assistant")
+    # generate_tokens: what chat and serve call (this stand-in manifest has no tokenizer section for generate's defaults)
+    got = model.generate_tokens(prompt, max_new_tokens=12, eos_token_id=[], speculative="assistant")
     s = model.stats
     assert (s.speculative, s.target_calls, s.drafter_calls, s.decode_tokens) == ("assistant", 11, 27, 11)
-    assert got.tolist() == model.generate(prompt, max_new_tokens=12, eos_token_id=[]).tolist()
+    assert got.tolist() == model.generate_tokens(prompt, max_new_tokens=12, eos_token_id=[]).tolist()
     assert model.stats.speculative == "" and model.stats.drafter_calls == 0
 
 
