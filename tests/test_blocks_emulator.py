@@ -36,7 +36,10 @@ BLOCK, AR = 16, 8
 
 
 @pytest.mark.parametrize("quant", ["fp16", "16a8w"])
-@pytest.mark.parametrize("device", ["host:executorch", "host:onnxruntime"])
+# Through ExecuTorch's runtime in `make test-all` only (676 s of the suite's time): both runtimes drive the same
+# KVSession, and onnxruntime's outputs are byte-identical to ExecuTorch's on the same .pte, the blocks layout's too
+# (`test_both_runtimes_compute_the_same_bytes` below, on these very exports), as test_lookahead reasons.
+@pytest.mark.parametrize("device", [pytest.param("host:executorch", marks=pytest.mark.slow), "host:onnxruntime"])
 def test_blocks_variant_matches_the_full_layout(window7_export, window7_model_dir, quant, device):
     out = window7_export(quant, AR, BLOCK)
     assert [p.parent.relative_to(out).as_posix() for p in out.glob("qnn/*/*/manifest.json")] == [
@@ -75,6 +78,27 @@ def test_blocks_variant_matches_the_full_layout(window7_export, window7_model_di
               f"the float model: blocks {got_db:.1f} dB, full {want_db:.1f} dB; blocks against full "
               f"{sqnr_db(got_logits, want_logits):.1f} dB")
         assert agree >= 0.95 and got_db >= want_db - 1.0
+
+
+@pytest.mark.parametrize("quant", ["fp16", "16a8w"])
+def test_both_runtimes_compute_the_same_bytes(window7_export, quant):
+    """The blocks variant's methods through onnxruntime-qnn and through ExecuTorch's runtime, on the same inputs (two
+    calls each, different inputs): the outputs' bytes equal, so the greedy and teacher-forced checks above, run
+    through onnxruntime in `make test`, hold for ExecuTorch's runtime too."""
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.runtime.backends.onnxruntime import OrtProgram
+    from tests.runtime.backends.ort_helpers import contract_inputs, executorch_outputs, same_bytes, variant_dirs
+
+    (folder,) = variant_dirs(window7_export(quant, AR, BLOCK))
+    manifest = read_manifest(folder)
+    program = OrtProgram(folder / "model.pte", manifest)
+    for method in manifest.contract.methods:
+        for seed in range(2):
+            inputs = contract_inputs(manifest, method.name, seed)
+            ours, theirs = program.methods[method.name](inputs), executorch_outputs(folder, method.name, inputs)
+            assert len(ours) == len(theirs) == len(method.outputs)
+            for spec, a, b in zip(method.outputs, ours, theirs):
+                assert same_bytes(a, b), f"{method.name} call {seed}: {spec.name} differs from ExecuTorch's"
 
 
 def _step_logits(model: QNNModelForCausalLM, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:

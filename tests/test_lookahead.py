@@ -167,7 +167,8 @@ def _prompts(root) -> list[np.ndarray]:
 # onnxruntime's outputs are byte-identical to ExecuTorch's on the same .pte (tests/runtime/backends/test_ort_program.py).
 @pytest.mark.parametrize("device", [pytest.param("host:executorch", marks=pytest.mark.slow), "host:onnxruntime"])
 def test_lookahead_greedy_equals_plain_greedy_of_the_same_variant(quant, device, lookahead_export):
-    """Token for token over 40 new tokens after three prompts, on the same graphs; fewer decode calls in all, and
+    """Token for token over 24 new tokens after three prompts (40 until the suite had to fit its time: each plain
+    token is a call of the 32-row decode graph), on the same graphs; fewer decode calls in all, and
     the stats say so."""
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
@@ -176,15 +177,15 @@ def test_lookahead_greedy_equals_plain_greedy_of_the_same_variant(quant, device,
     assert model.speculative_choices == ("lookahead",)
     plain_calls = lookahead_calls = 0
     for prompt in _prompts(root):
-        want = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+        want = model.generate(prompt, max_new_tokens=24, eos_token_id=[])
         plain_calls += model.stats.target_calls
         assert model.stats.tokens_per_target_call == 1.0 and model.stats.acceptance_rate is None
-        got = model.generate(prompt, max_new_tokens=40, eos_token_id=[], speculative="lookahead")
+        got = model.generate(prompt, max_new_tokens=24, eos_token_id=[], speculative="lookahead")
         stats = model.stats
         print(f"{quant} {device} prompt {prompt.size}: {stats.target_calls} calls for {stats.decode_tokens} tokens "
               f"({stats.tokens_per_target_call:.2f}/call), acceptance {stats.acceptance_rate}")
         assert got.tolist() == want.tolist()
-        assert stats.speculative == "lookahead" and stats.decode_tokens == 39
+        assert stats.speculative == "lookahead" and stats.decode_tokens == 23
         assert stats.decode_tokens == stats.target_calls + stats.accepted_tokens
         lookahead_calls += stats.target_calls
     assert lookahead_calls < plain_calls
