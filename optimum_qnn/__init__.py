@@ -20,6 +20,7 @@ _LAZY = {
     "ensure_qnn_sdk": "optimum_qnn.sdk",
     # The runtime imports torch (0.9 s measured): loaded on first use, so `optimum-cli --help` stays fast.
     "QNNModelForCausalLM": "optimum_qnn.runtime.modeling",
+    "QNNModelForImageTextToText": "optimum_qnn.runtime.images",
     "export": "optimum_qnn.exporter.pipeline",
 }
 
@@ -28,6 +29,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, Soc
     from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
     from optimum_qnn.models.gemma4.modeling import StaticCausalLM
     from optimum_qnn.sdk import ensure_qnn_sdk

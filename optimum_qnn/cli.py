@@ -16,7 +16,10 @@ from optimum_qnn.config import (
     CacheLayout,
     DEFAULT_CONTEXT,
     DEFAULT_DRAFT_LEN,
+    DEFAULT_IMAGE_TOKENS,
     EmbeddingQuant,
+    IMAGE_TASK,
+    TEXT_TASK,
     ExportConfig,
     ExportMode,
     Lookahead,
@@ -108,6 +111,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                           "(contexts the full layout cannot compile). ring and blocks are for optimum-qnn's own runtimes, "
                           "refused by the C++ runner (default: full, or blocks where the target's HTP cannot compile "
                           "the context in full; the export says so)")
+    opt.add_argument("--task", default=TEXT_TASK, metavar="TASK",
+                     help=f"{TEXT_TASK}: the text decoder; {IMAGE_TASK}: the vision encoder too, its soft tokens taken "
+                          "by the decoder's prefill (audio is not built) (default: %(default)s)")
+    opt.add_argument("--image-tokens", type=int, default=None, metavar="N",
+                     help=f"--task {IMAGE_TASK}: soft tokens per image, one of 70, 140, 280, 560, 1120 (Hugging Face's "
+                          f"budgets; default: {DEFAULT_IMAGE_TOKENS})")
     opt.add_argument("--no-weight-sharing", action="store_true",
                      help="give the prefill and decode graphs separate weights (needed to run a hybrid .pte on the x86 emulator)")
     opt.add_argument("--check-weight-sharing", action="store_true",
@@ -196,7 +205,25 @@ def config_from_args(args: argparse.Namespace, scheme: str | None = None) -> Exp
         lookahead=lookahead_from_args(args),
         # --draft-len without --assistant is passed on, so the export refuses it naming the fix.
         draft_len=args.draft_len if args.draft_len is not None or args.assistant is None else DEFAULT_DRAFT_LEN,
+        image_tokens=image_tokens_from_args(args),
     )
+
+
+def image_tokens_from_args(args: argparse.Namespace) -> int | None:
+    """Soft tokens per image of ``--task image-text-to-text`` (None: text generation); any other task is refused
+    naming the ones there are."""
+    task = getattr(args, "task", TEXT_TASK)
+    tokens = getattr(args, "image_tokens", None)
+    if task == TEXT_TASK:
+        if tokens is not None:
+            raise InvalidInputError(f"--image-tokens sizes an image variant; it needs --task {IMAGE_TASK}")
+        return None
+    if task == IMAGE_TASK:
+        return DEFAULT_IMAGE_TOKENS if tokens is None else tokens
+    if "audio" in task or "speech" in task or task == "any-to-any":
+        raise InvalidInputError(f"--task {task}: audio is not part of optimum-qnn's export (Gemma 4's audio tower stays "
+                                f"out); export --task {IMAGE_TASK} or {TEXT_TASK}")
+    raise InvalidInputError(f"Unknown --task {task!r}; expected {TEXT_TASK} or {IMAGE_TASK}")
 
 
 def lookahead_from_args(args: argparse.Namespace) -> Lookahead | None:

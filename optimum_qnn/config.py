@@ -255,6 +255,9 @@ class ShapeConfig:
 
 # Drafts per round of an assistant export when --draft-len is not given (docs/assistant.md).
 DEFAULT_DRAFT_LEN = 3
+# `--task`: the text decoder (the default), or the vision encoder beside it (`ExportConfig.image_tokens`).
+TEXT_TASK, IMAGE_TASK = "text-generation", "image-text-to-text"
+DEFAULT_IMAGE_TOKENS = 280  # Hugging Face's default budget: 2520 patches an image
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,9 @@ class ExportConfig:
     # Drafts per round of Gemma 4's assistant (default `DEFAULT_DRAFT_LEN` with --assistant) (`--assistant`, docs/assistant.md): kv_forward then verifies the last
     # accepted token and K drafts in one call of K + 1 tokens. None: no assistant.
     draft_len: int | None = None
+    # `--task image-text-to-text`: soft tokens per image (`images.SOFT_TOKEN_BUDGETS`); the vision encoder goes into
+    # the program beside the decoder, whose prefill takes an image's soft tokens. None: text generation.
+    image_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Wrong types from Python callers get the same clear error as wrong values from the command line.
@@ -324,6 +330,7 @@ class ExportConfig:
             raise InvalidInputError("At least one SoC is required; expected some of: " + _choices(Soc))
         shapes = self.shapes
         self._check_lookahead()
+        self._check_images()
         if self.mode.has_prefill and shapes.max_seq_len is not None and shapes.prefill_ar_len >= shapes.max_seq_len:
             raise InvalidInputError(
                 f"prefill_ar_len ({shapes.prefill_ar_len}) must be smaller than max_seq_len ({shapes.max_seq_len}): "
@@ -359,6 +366,25 @@ class ExportConfig:
         features = [self.quant.value, *(scheme.value for _, scheme in self.overrides)]
         for soc in self.socs:
             check_supported(soc, features)
+
+    def _check_images(self) -> None:
+        """An image variant's budget is one of Hugging Face's, its soft tokens enter through prefill, and what is not
+        built for images yet is refused by name."""
+        if self.image_tokens is None:
+            return
+        from optimum_qnn.images import SOFT_TOKEN_BUDGETS
+
+        if self.image_tokens not in SOFT_TOKEN_BUDGETS:
+            raise InvalidInputError(f"--image-tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))} (Hugging "
+                                    f"Face's budgets); got {self.image_tokens!r}")
+        if self.mode is not ExportMode.HYBRID:
+            raise InvalidInputError(f"An image's soft tokens enter through the prefill method: --task image-text-to-text "
+                                    f"needs --mode hybrid, not --mode {self.mode.value}")
+        if self.draft_len is not None:
+            raise InvalidInputError("--task image-text-to-text with --assistant is not built yet: drop one of them")
+        if self.quant.is_quantized:
+            raise InvalidInputError(f"--task image-text-to-text is built for --quant fp16 so far (the vision encoder's "
+                                    f"and the soft tokens' calibration are not): --quant {self.quant.value} is refused")
 
     def _check_lookahead(self) -> None:
         """`lookahead` is set exactly in lookahead mode, its AR fits the context, and the ring layout is refused."""

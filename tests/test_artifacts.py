@@ -118,7 +118,7 @@ def test_manifest_hashes_the_root_files_the_variant_reads(tmp_path, source, qnn_
     out = tmp_path / "out"
     path = writer(out, source).write_variant(variant_name(Soc.SM8650, CONFIG), program(1000), CONTRACT, CONFIG)
     manifest = read_manifest(path)
-    assert manifest.schema_version == "1.5" and manifest.quantization.weight_rounding == "nearest"
+    assert manifest.schema_version == "1.6" and manifest.quantization.weight_rounding == "nearest"
     assert sorted(e.path for e in manifest.root_files) == ["config.json", "generation_config.json", "tokenizer.json"]
     verify_files(path, manifest, root=out)
 

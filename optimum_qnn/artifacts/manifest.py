@@ -27,7 +27,7 @@ from optimum_qnn.errors import OptimumQnnError
 # `quantization.weight_rounding` (absent: "nearest"). 1.3 added `mixed_precision.sensitivity_probes` (absent: not
 # recorded). 1.4 added `contract.lookahead` (absent: no lookahead decoding). 1.5 added `contract.assistant` (absent:
 # no drafter) and `contract.block_len` (absent: no blocks layout).
-SCHEMA_VERSION = "1.5"
+SCHEMA_VERSION = "1.6"
 MANIFEST_NAME = "manifest.json"
 PROGRAM_NAME = "model.pte"
 
@@ -170,6 +170,23 @@ class AssistantInfo:
 
 
 @dataclass(frozen=True)
+class ImagesInfo:
+    """An image variant (``--task image-text-to-text``, since 1.6): the vision encoder is method ``method`` of the
+    program (pixels in, ``soft_tokens`` rows of soft tokens out), the prefill method takes them (`IMAGE_INPUTS`), and
+    the prompt marks an image with ``boi_token_id``, ``soft_tokens`` times ``image_token_id`` (at most: fewer for a
+    small image), then ``eoi_token_id``; at a soft token's place the decoder reads ``pad_token_id``."""
+
+    method: str
+    soft_tokens: int
+    patch_size: int
+    pooling_kernel_size: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    pad_token_id: int
+
+
+@dataclass(frozen=True)
 class Contract:
     """The runner contract (see docs/runner_contract.md)."""
 
@@ -192,6 +209,7 @@ class Contract:
     assistant: AssistantInfo | None = None  # set by `--assistant` (since 1.5)
     # "blocks" (since 1.5): slots per cache block; every cache that is no ring is inputs `{k,v}_cache_{i}_block{b}`.
     block_len: int | None = None
+    images: ImagesInfo | None = None  # set by `--task image-text-to-text` (since 1.6)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ dataclasses of `optimum_qnn.artifacts.manifest` (which only reads and checks man
 from __future__ import annotations
 
 from optimum_qnn.artifacts.manifest import (
-    AssistantInfo, Contract, Layer, LinearPlanRow, LookaheadInfo, Method, MixedPrecision, TensorIO,
+    AssistantInfo, Contract, ImagesInfo, Layer, LinearPlanRow, LookaheadInfo, Method, MixedPrecision, TensorIO,
 )
 
 
@@ -24,7 +24,7 @@ _BLOCKS_UPDATE = (_RING_UPDATE + " (where the window is shorter than C - 1); eve
 
 
 def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahead=None,
-                     assistant: AssistantInfo | None = None) -> Contract:
+                     assistant: AssistantInfo | None = None, images: ImagesInfo | None = None) -> Contract:
     """The manifest's view of a `RunnerContract` (with an assistant, its ``draft_forward`` is one of the methods)."""
     d = contract.to_dict()
     return Contract(
@@ -50,4 +50,5 @@ def contract_section(contract, *, weight_sharing: bool, shards: int = 1, lookahe
         lookahead=None if lookahead is None else LookaheadInfo(**lookahead.to_dict()),
         block_len=d["block_len"],
         assistant=assistant,
+        images=images,
     )

@@ -80,14 +80,15 @@ def _layout(config: ExportConfig) -> str:
 def variant_name(soc: Soc, config: ExportConfig) -> str:
     """``qnn/<soc>/<quant>-ctx<C>`` (``-ring`` or ``-blocks`` appended for those cache layouts, then ``-kv`` for
     decode-only exports, ``-lhdNwWgG`` for lookahead ones, ``-asstK`` for those with an assistant drafting K tokens a
-    round): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
+    round, ``-imgN`` for image variants of N soft tokens an image): a ring variant never takes the name, or the place, of the full-layout one a C++ runner reads."""
     mode = {ExportMode.HYBRID: "", ExportMode.KV: "-kv"}.get(config.mode, "")
     if config.lookahead is not None:  # its decode graph differs with N, W and G
         mode = f"-lhd{config.lookahead.ngram}w{config.lookahead.window}g{config.lookahead.gcap}"
     if config.draft_len is not None:  # its decode graph verifies K + 1 tokens, and it holds the drafter
         mode = f"-asst{config.draft_len}"
     layout = {"ring": "-ring", "blocks": "-blocks"}.get(_layout(config), "")
-    return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{layout}{mode}"
+    images = "" if config.image_tokens is None else f"-img{config.image_tokens}"  # its prefill takes soft tokens
+    return f"qnn/{soc.value.lower()}/{config.quant_tag}-ctx{config.shapes.max_seq_len}{layout}{mode}{images}"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -280,7 +281,7 @@ class VariantWriter:
 
     def write_variant(
         self, name: str, lowered, contract, config: ExportConfig, quant_rows: list | None = None, evaluate=None,
-        inspection=None, mixed_plan=None, assistant=None,
+        inspection=None, mixed_plan=None, assistant=None, images=None,
     ) -> Path:
         """Write one variant atomically; returns its folder.
 
@@ -321,7 +322,7 @@ class VariantWriter:
                     mixed_precision=mixed_precision_section(mixed_plan),
                 ),
                 contract=contract_section(contract, weight_sharing=lowered.weight_sharing, shards=lowered.shards,
-                                          lookahead=config.lookahead, assistant=assistant),
+                                          lookahead=config.lookahead, assistant=assistant, images=images),
                 tokenizer=self._tokenizer_info(root_files),
                 program=program,
                 files=[program],

@@ -34,6 +34,7 @@ from optimum_qnn.artifacts.hub import resolve_model_folder
 from optimum_qnn.models.gemma4 import StaticCausalLM
 from optimum_qnn.models.gemma4.loading import load_text_model
 from optimum_qnn.exporter.parallel_compile import workers_private_mb
+from optimum_qnn.exporter.vision import VisionExport, with_vision
 from optimum_qnn.quantization.weights import resident_kb
 from optimum_qnn.exporter.residency import (
     lm_head_in_float32,
@@ -291,6 +292,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             hf_model, max_context_len=shapes.max_seq_len, ar_len=shapes.prefill_ar_len if hybrid else None,
             decode_ar_len=config.decode_ar_len, quantized=config.quant.is_quantized, cache_layout=shapes.cache_layout,
             block_len=shapes.cache_block_len, hidden_output=assistant is not None,
+            image_inputs=config.image_tokens is not None,
         )
         result.swap_summary = static.report.table()
         # Where the lowering will cut the layers: a layer that reuses the K/V of a layer in an earlier shard joins
@@ -307,6 +309,10 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             lm_head_in_float32(static)
         if evaluate is None:
             del hf_model  # frees the float embedding tables (the static module holds their quantized copies)
+    vision = None
+    if config.image_tokens is not None:
+        with _stage(result, "vision"):
+            vision = VisionExport.load(folder, config.image_tokens, static.text_config.pad_token_id)
     drafter = None
     if assistant is not None:
         from optimum_qnn.exporter import assistant as drafting
@@ -331,6 +337,9 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             programs[DRAFT_METHOD] = torch.export.export(drafter.module, examples[DRAFT_METHOD], strict=False)
             shard_starts[DRAFT_METHOD] = drafting.drafter_shard_starts(
                 drafter, len(memory.estimate.starts) + 1, weight_sharing=config.weight_sharing)
+        if vision is not None:  # one partition: it splits at no decoder layer
+            examples[vision.method.name], programs[vision.method.name] = vision.export()
+            shard_starts[vision.method.name] = ()
     contract, quantized_io = static.contract, None
     if config.quant.is_quantized:
         graphs = _quantize(static, {n: programs[n] for n in methods}, config, tokenizer, texts, result)
@@ -362,6 +371,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
 
             quantized_io[DRAFT_METHOD] = quantized_inputs(drafter.method)
         assistant_info = drafting.assistant_info(drafter, source_model_id(assistant, Path(assistant)), config.draft_len)
+    contract = with_vision(contract, vision)
     writer = VariantWriter(
         output, source_folder=folder, model_id=source_model_id(model, folder), revision=revision,
         load_report=load_report, tokenizer=tokenizer, text_config=static.text_config, weight_digests=digests,
@@ -394,6 +404,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
             path = writer.write_variant(
                 variant_name(soc, config), lowered, contract, config, quant_rows=result.quant_rows,
                 evaluate=evaluator, inspection=inspection, mixed_plan=result.mixed_plan, assistant=assistant_info,
+                images=None if vision is None else vision.info,
             )
             result.variants.append(path)
             with folder_lock(output):  # the folder is complete as published: its card lists every variant

@@ -98,6 +98,10 @@ def preflight(model: str, folder: Path, config: ExportConfig, revision: str | No
     if revision is not None and Path(model).expanduser().is_dir():
         raise InvalidInputError(f"--revision {revision!r} selects a Hub revision, but {model} is a local folder; drop --revision")
     text_config = read_text_config(folder)
+    if config.image_tokens is not None:  # a checkpoint without a vision tower is refused by name, before any weight
+        from optimum_qnn.models.gemma4.loading import read_vision_config
+
+        read_vision_config(folder)
     max_pos = text_config.max_position_embeddings
     if config.shapes.max_seq_len is None:
         config = choose_context(text_config, config)

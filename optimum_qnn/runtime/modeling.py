@@ -235,6 +235,7 @@ class QNNModelForCausalLM(TransformersModelMixin):
         reuse_cache: bool = False,
         cancel: Callable[[], bool] | None = None,
         speculative: str | None = None,
+        image_features: Any = None,
     ) -> Any:
         """One sequence, with optimum-qnn's own defaults (greedy, EOS from the manifest; what ``chat``, ``serve`` and
         ``run`` use): up to ``max_new_tokens`` after ``input_ids`` (a list of ints, a numpy array or a torch tensor);
@@ -275,7 +276,12 @@ class QNNModelForCausalLM(TransformersModelMixin):
         if sampling is None:
             sampling = Sampling(do_sample, temperature, top_k, top_p, generator)
         extra = {} if speculative is None else {"speculative": speculative}
-        new = self.backend.generate(prompt, max_new_tokens, sampling, eos_token_id, streamer,
+        fed = prompt
+        if image_features is not None:  # an image variant's soft tokens (`QNNModelForImageTextToText`)
+            from optimum_qnn.runtime.soft_tokens import soft_tokens_of
+
+            fed, extra["images"] = soft_tokens_of(self, prompt, image_features)
+        new = self.backend.generate(fed, max_new_tokens, sampling, eos_token_id, streamer,
                                     reuse_cache=reuse_cache, cancel=cancel, **extra)
         if streamer is not None:
             if not getattr(self.backend, "streams", False):  # a runner gives its text when it exits

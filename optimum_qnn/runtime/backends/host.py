@@ -24,7 +24,7 @@ from optimum_qnn.lookahead import Lookahead
 from optimum_qnn.runtime.assistant import AssistantDecoder, assistant_of
 from optimum_qnn.runtime.generation import GenerationStats, Sampling, common_prefix, eos_ids
 from optimum_qnn.runtime.lookahead import LookaheadDecoder
-from optimum_qnn.session import KVSession, MethodFn
+from optimum_qnn.session import KVSession, MethodFn, SoftTokens
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class InProcessBackend:
     streams = True  # the streamer gets each token as it is generated
     runs_assistant = True  # decodes with a variant's drafter (speculative="assistant"); a C++ runner cannot
     applies_logits = True  # sees each row of logits: `sampling.pick` may apply any rule (transformers' processors)
+    takes_images = True  # feeds an image variant's soft tokens to its prefill method
 
     @property
     def name(self) -> str:
@@ -60,13 +61,15 @@ class InProcessBackend:
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
                  streamer: Any, *, reuse_cache: bool = False, cancel: Any = None,
-                 speculative: str | None = None) -> list[int]:
+                 speculative: str | None = None, images: SoftTokens | None = None) -> list[int]:
         """The new tokens after ``prompt`` (1-D ids, checked by the caller); fills ``self.stats``.
 
         ``reuse_cache``: keep the K/V of the longest prefix of ``prompt`` the caches hold (at least one prompt token
         is always fed, for its logits). ``cancel``: called before each decode step; True stops the reply there.
         ``speculative="lookahead"``: decode with lookahead decoding (`runtime.lookahead`); ``"assistant"``: with
-        the variant's drafter (`runtime.assistant`). Both checked by the caller.
+        the variant's drafter (`runtime.assistant`). Both checked by the caller. ``images``: soft tokens among
+        ``prompt`` (an image variant's; ``prompt`` holds the pad id at their places); a soft token matches a held one
+        only if its embedding is the same, so a conversation's later turns reuse an image's K/V.
         """
         session = self.session
         capacity = session.capacity
@@ -77,7 +80,8 @@ class InProcessBackend:
             )
         eos = eos_ids(eos_token_id, default=self.manifest.tokenizer.eos_ids)
         ids = prompt.tolist()
-        reused = min(common_prefix(self.held, ids), len(ids) - 1) if reuse_cache else 0
+        keys = ids if images is None else image_keys(ids, images)  # what `held` remembers of each position
+        reused = min(common_prefix(self.held, keys), len(ids) - 1) if reuse_cache else 0
         self.held = []  # until this call ends cleanly, the caches hold nothing it can vouch for
         if reused:  # held never outgrows the stored slots
             session.truncate(reused)
@@ -87,7 +91,7 @@ class InProcessBackend:
                                 stopped_by="max_new_tokens")
         self.clock.total = 0.0
         t0 = time.perf_counter()
-        logits = session.feed(prompt[reused:])[-1]
+        logits = session.feed(prompt[reused:], None if images is None else images.rows(reused, len(ids)))[-1]
         stats.time_to_first_token_s = time.perf_counter() - t0
         stats.prefill_tokens_per_s = stats.prefilled_tokens / max(stats.time_to_first_token_s, 1e-9)
         new: list[int] = []
@@ -129,13 +133,24 @@ class InProcessBackend:
             stats.drafted_tokens, stats.accepted_tokens = decoder.drafted, decoder.accepted
             stats.drafter_calls = getattr(decoder, "drafter_calls", 0)
         stats.new_tokens = len(new)
-        self.held = (ids + new)[: session.stored]  # the last new token was never fed: stored <= len(ids + new) - 1
+        self.held = (keys + new)[: session.stored]  # the last new token was never fed: stored <= len(ids + new) - 1
         decode_time = sum(stats.step_times)
         if stats.step_times:
             stats.decode_tokens_per_s = stats.decode_tokens / decode_time
             stats.host_overhead_share = max(0.0, 1.0 - decode_exec / decode_time)
         self.stats = stats
         return new
+
+
+def image_keys(ids: list[int], images: SoftTokens) -> list:
+    """``ids`` with each soft token's place holding a digest of its embedding instead of the pad id: two prompts share
+    a prefix only where they hold the same image."""
+    import hashlib
+
+    keys: list = list(ids)
+    for i in np.flatnonzero(images.mask):
+        keys[i] = ("image", hashlib.blake2b(images.embeds[i].tobytes(), digest_size=16).hexdigest())
+    return keys
 
 
 def lookahead_of(manifest: Manifest) -> Lookahead | None:

@@ -338,6 +338,12 @@ def check_runner_layout(variant: Path, contract) -> None:
             "cannot drive: it keeps every cache as one tensor of C - ar slots. Run it with device='host' (or the "
             "onnxruntime backend), or export with --cache-layout full for the runner"
         )
+    if any(m.takes_images for m in contract.methods):
+        raise InvalidInputError(
+            f"Variant {variant.name} takes images (its prefill method has the soft-token inputs image_embeds and "
+            "image_mask): ExecuTorch's qnn_llama_runner feeds token ids only. Run it with device='host' (or the "
+            "onnxruntime backend), or use the text variant (export without --task image-text-to-text) for the runner"
+        )
     if any(m.name == DRAFT_METHOD for m in contract.methods):
         raise InvalidInputError(
             f"Variant {variant.name} was exported with Gemma 4's assistant (method {DRAFT_METHOD}, a kv_forward that "

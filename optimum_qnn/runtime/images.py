@@ -1,0 +1,107 @@
+"""Image prompts: `QNNModelForImageTextToText`, an image variant (``export --task image-text-to-text``) run as Hugging
+Face's ``AutoModelForImageTextToText`` is called.
+
+``generate(input_ids=, attention_mask=, pixel_values=, image_position_ids=)`` takes the processor's output: each
+image goes through the program's vision encoder (`ImagesInfo.method`) on the NPU, its first ``num_soft_tokens`` rows
+are its soft tokens, and they fill the prompt's image placeholders in order, as `Gemma4Model` fills them
+(``masked_scatter``). The decoder's prefill reads them in place of the placeholders' embeddings (with the pad id's
+per-layer input), so text and images go through one prompt.
+
+Runtime code: numpy only (Pillow for `optimum_qnn.images`); no torch needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
+from optimum_qnn.images import ImageGeometry, encoder_inputs, preprocess
+from optimum_qnn.ops.arrays import as_numpy
+from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+__all__ = ["QNNModelForImageTextToText"]
+
+
+class QNNModelForImageTextToText(QNNModelForCausalLM):
+    """An image variant of a Gemma 4 export: text and images in, text out, on the NPU.
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoProcessor
+    >>> processor = AutoProcessor.from_pretrained("out/")
+    >>> model = QNNModelForImageTextToText.from_pretrained("out/", soc="SM8650", quant="fp16")
+    >>> inputs = processor(text="<start_of_image> What is this?", images=[image], return_tensors="np")
+    >>> out = model.generate(**inputs, max_new_tokens=32)
+    ```
+    """
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "QNNModelForImageTextToText":
+        model = super().from_pretrained(*args, **kwargs)
+        if model.manifest.contract.images is None:
+            raise InvalidInputError(
+                f"Variant {model.variant.name} takes no images (exported for text generation): export with --task "
+                "image-text-to-text, or load it with QNNModelForCausalLM"
+            )
+        if not getattr(model.backend, "takes_images", False):
+            raise UnsupportedParameterError(
+                f"The {model.backend.name} backend cannot feed an image's soft tokens to the decoder (ExecuTorch's "
+                "qnn_llama_runner takes token ids only): load it with device='host:executorch' or 'host:onnxruntime'",
+                param="device", backend=model.backend.name,
+            )
+        return model
+
+    @property
+    def geometry(self) -> ImageGeometry:
+        """The variant's image budget: soft tokens an image, patch and pooling sizes."""
+        info = self.manifest.contract.images
+        return ImageGeometry(soft_tokens=info.soft_tokens, patch_size=info.patch_size,
+                             pooling_kernel_size=info.pooling_kernel_size)
+
+    def generate(self, input_ids: Any = None, attention_mask: Any = None, generation_config: Any = None, *,
+                 pixel_values: Any = None, image_position_ids: Any = None, **kwargs: Any) -> Any:
+        """`QNNModelForCausalLM.generate`, plus the processor's ``pixel_values`` ``[images, patches, pixels]`` and
+        ``image_position_ids`` ``[images, patches, 2]``: the images fill the rows' image placeholders in order."""
+        if pixel_values is None:
+            return super().generate(input_ids, attention_mask, generation_config, **kwargs)
+        if image_position_ids is None:
+            raise InvalidInputError("pixel_values come with image_position_ids (the processor gives both)")
+        from optimum_qnn.runtime.transformers_api.generate import hf_generate
+
+        features = self.encode_images(pixel_values, image_position_ids)
+        ids = np.atleast_2d(as_numpy(input_ids))
+        counts = (ids == self.manifest.contract.images.image_token_id).sum(axis=1)
+        if int(counts.sum()) != len(features):
+            raise InvalidInputError(
+                f"The prompt holds {int(counts.sum())} image placeholders and the images give {len(features)} soft "
+                f"tokens: make the text and the images with one processor call, its max_soft_tokens "
+                f"{self.geometry.soft_tokens} (this variant's budget)"
+            )
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        per_row = [features[starts[r]: starts[r + 1]] for r in range(len(ids))]
+        return hf_generate(self, input_ids, attention_mask, generation_config, row_inputs=("image_features",),
+                           image_features=per_row, **kwargs)
+
+    def encode_images(self, pixel_values: Any, image_position_ids: Any) -> np.ndarray:
+        """The soft tokens of each image, in order: ``[sum of their soft tokens, hidden]`` float32, from the
+        program's vision encoder."""
+        pixels, positions = as_numpy(pixel_values), as_numpy(image_position_ids)
+        if pixels.ndim == 2:
+            pixels, positions = pixels[None], positions[None]
+        method = self.backend.session.methods[self.manifest.contract.images.method]
+        rows = []
+        for pv, pos in zip(pixels, positions):
+            inputs = encoder_inputs(pv, pos, self.geometry)
+            out = np.asarray(as_numpy(method(list(inputs.as_tuple()))[0]))
+            rows.append(out[0, : inputs.num_soft_tokens].astype(np.float32))
+        return np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
+
+    def image_inputs(self, images: Any) -> dict[str, np.ndarray]:
+        """``pixel_values`` and ``image_position_ids`` of ``images`` (paths, bytes or PIL images), processed here in
+        numpy as Hugging Face's processor would at this variant's budget, and each image's soft-token count."""
+        batch = preprocess(images, self.geometry)
+        return {"pixel_values": batch.pixel_values, "image_position_ids": batch.image_position_ids,
+                "num_soft_tokens_per_image": np.asarray(batch.num_soft_tokens_per_image)}
