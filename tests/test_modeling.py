@@ -41,9 +41,9 @@ def test_streamer_sampling_and_stats(fp16_model):
     session, host_s = fp16_model.backend.session, 0.05
     feed = session.feed
 
-    def slow_host_feed(ids):
+    def slow_host_feed(ids, *rest):
         time.sleep(host_s)
-        return feed(ids)
+        return feed(ids, *rest)
 
     session.feed = slow_host_feed
     try:
