@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from optimum_qnn.contract import PREFILL_METHOD
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.ops.arrays import as_numpy
 from optimum_qnn.session import SoftTokens
@@ -27,7 +28,7 @@ def soft_tokens_of(model: Any, prompt: np.ndarray, features: Any) -> tuple[np.nd
     if int(mask.sum()) != len(features):
         raise InvalidInputError(f"The prompt holds {int(mask.sum())} image placeholders and {len(features)} soft tokens "
                                 "were given for it")
-    width = model.contract.method("prefill_forward").inputs[-2].shape[-1]
+    width = model.contract.method(PREFILL_METHOD).inputs[-2].shape[-1]
     embeds = np.zeros((prompt.size, width), dtype=np.float32)
     if len(features):
         embeds[mask] = features
