@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
@@ -122,6 +123,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are (e.g. 2,651,1234)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap --prompt in the tokenizer's chat template; the reply stops at the end of its turn")
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="an image the prompt reads before its text (repeat for several): an image variant "
+                        "(export --task image-text-to-text) on a host device")
     parser.add_argument("--max-new-tokens", type=int, default=None, help=_MAX_NEW_HELP)
     parser.add_argument("--speculative", choices=["lookahead", "assistant"], default=None,
                         help="lookahead: decode with lookahead decoding (a variant exported with --mode lookahead); "
@@ -142,12 +146,20 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         except ValueError:
             print(f"error: --prompt-ids takes integers separated by commas; got {args.prompt_ids!r}", file=sys.stderr)
             return 2
+        if args.image and ids is not None:
+            print("error: --image goes with --prompt (the images' placeholders are placed in its tokens); --prompt-ids "
+                  "are used as they are", file=sys.stderr)
+            return 2
+        missing = [path for path in args.image or () if not Path(path).is_file()]
+        if missing:  # before the variant is loaded
+            print(f"error: no such image file: {', '.join(missing)}", file=sys.stderr)
+            return 2
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose, keep_stdout=True):  # the text streams as it comes
                 from optimum_qnn.runtime.text_stream import PrintingStreamer
 
-                model = _load_variant(args, speculative=args.speculative)
+                model = _load_variant(args, speculative=args.speculative, images=bool(args.image))
                 try:
                     tokenizer = model.tokenizer()
                 except OptimumQnnError:
@@ -156,7 +168,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                     tokenizer = None
                 streamer = PrintingStreamer(tokenizer, sys.stdout) if tokenizer is not None else None
                 options = {"max_new_tokens": args.max_new_tokens, "streamer": streamer, "speculative": args.speculative}
-                if ids is None:
+                if args.image:
+                    model.image_text_generation(tokenizer, args.prompt, args.image, chat=args.chat, **options)
+                elif ids is None:
                     model.text_generation(tokenizer, args.prompt, chat=args.chat, **options)
                 else:
                     out = model.generate_tokens(ids, **options)
@@ -217,18 +231,23 @@ def _add_speculative_choice(parser: argparse.ArgumentParser) -> None:
                         "artifact's variant with an assistant, else with lookahead, else the plain one)")
 
 
-def _load_variant(args: argparse.Namespace, speculative: str | None = None, fastest: bool = False):
+def _load_variant(args: argparse.Namespace, speculative: str | None = None, fastest: bool = False,
+                  images: bool = False):
     """The variant the arguments select; one without the ``speculative`` decoding asked for is refused first.
-    ``fastest`` with no ``speculative``: among variants exported for several decodings, the fastest's."""
+    ``fastest`` with no ``speculative``: among variants exported for several decodings, the fastest's. ``images``:
+    an image variant, as `QNNModelForImageTextToText`."""
     from optimum_qnn.artifacts.variants import AUTO_SPECULATIVE
     from optimum_qnn.host_memory import parse_max_memory
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 
     if fastest and speculative is None:
         speculative = AUTO_SPECULATIVE
+    model_class = QNNModelForCausalLM
+    if images:
+        from optimum_qnn.runtime.images import QNNModelForImageTextToText as model_class
 
     options = {"runner": args.runner} if args.runner else {}
-    return QNNModelForCausalLM.from_pretrained(
+    return model_class.from_pretrained(
         args.model, soc=args.soc, quant=args.quant, context_len=args.context_len, cache_layout=args.cache_layout,
         max_memory=None if args.max_memory is None else parse_max_memory(args.max_memory), revision=args.revision,
         device=args.device, speculative=speculative, **options,
@@ -245,16 +264,23 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     _add_speculative_choice(parser)
     parser.add_argument("--system", help="a system prompt (kept when old turns are dropped to fit the context)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help=f"per reply {_MAX_NEW_HELP}")
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="an image the first message reads before its text (repeat for several): loads the image "
+                        "variant (export --task image-text-to-text), where /image PATH adds one to a later message")
     _add_verbose(parser, also="a line of stats after each reply")
 
     def handler(args: argparse.Namespace) -> int:
         from optimum_qnn.console import configure_logging, third_party_quiet
         from optimum_qnn.errors import OptimumQnnError
 
+        missing = [path for path in args.image or () if not Path(path).is_file()]
+        if missing:  # before the variant is loaded
+            print(f"error: no such image file: {', '.join(missing)}", file=sys.stderr)
+            return 2
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose):
-                model = _load_variant(args, speculative=args.speculative, fastest=True)
+                model = _load_variant(args, speculative=args.speculative, fastest=True, images=bool(args.image))
                 options = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
                 chat = model.chat(args.system, **options)
         except OptimumQnnError as e:
@@ -263,7 +289,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         from optimum_qnn.runtime import repl
 
         with third_party_quiet(args.verbose, keep_stdout=True):
-            return repl.run(chat, verbose=args.verbose)
+            return repl.run(chat, verbose=args.verbose, images=args.image or ())
 
     parser.set_defaults(handler=handler)
 

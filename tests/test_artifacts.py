@@ -272,6 +272,32 @@ def test_one_context_exported_for_several_decodings_is_chosen_by_the_decoding(ca
     assert select_variant(both, "SM8650", "16a8w", None, fit=fit)["path"] == "qnn/sm8650/16a8w-ctx256"
 
 
+def test_an_image_variant_and_its_text_twin_are_chosen_by_the_model_class():
+    """A text and an image variant (``-img70``) of one SoC, scheme, context and mode: the text class takes the text
+    one, the image class the image one; several contexts of image variants still go to the memory choice; the image
+    class refuses a folder of text variants with the fix, and a listing names the image variants as such."""
+    from optimum_qnn.artifacts.variants import MemoryFit, VariantNotFoundError, select_variant
+
+    def entry(ctx, soft=None):
+        e = {"soc": "SM8650", "quant": "fp16", "context_len": ctx, "mode": "hybrid",
+             "path": f"qnn/sm8650/fp16-ctx{ctx}" + (f"-img{soft}" if soft else "")}
+        return {**e, "images": {"soft_tokens": soft}} if soft else e
+
+    index = {"variants": [entry(128), entry(128, 70)]}
+    assert select_variant(index, "SM8650", "fp16", None)["path"] == "qnn/sm8650/fp16-ctx128"
+    assert select_variant(index, "SM8650", "fp16", None, images=True)["path"] == "qnn/sm8650/fp16-ctx128-img70"
+    # An image variant without a text twin still loads for text (its prefill reads text as well).
+    assert select_variant({"variants": [entry(128, 70)]}, None, None, None)["path"] == "qnn/sm8650/fp16-ctx128-img70"
+    fit = MemoryFit(lambda e: e["context_len"] << 20, max_memory=1.0)
+    several = {"variants": [entry(ctx, soft) for ctx in (128, 256) for soft in (None, 70)]}
+    assert select_variant(several, "SM8650", "fp16", None, fit=fit, images=True)["path"] == "qnn/sm8650/fp16-ctx256-img70"
+    assert select_variant(several, "SM8650", "fp16", None, fit=fit)["path"] == "qnn/sm8650/fp16-ctx256"
+    with pytest.raises(VariantNotFoundError, match=r"takes images \(SM8650/fp16/ctx128/hybrid: exported for text generation\).*--task image-text-to-text"):
+        select_variant({"variants": [entry(128)]}, "SM8650", "fp16", None, images=True)
+    with pytest.raises(VariantNotFoundError, match="SM8650/fp16/ctx256/hybrid/img70"):
+        select_variant(several, "SM8650", "fp16", 512, images=True)
+
+
 def test_from_pretrained_refuses_an_unknown_speculative_before_anything(tmp_path):
     from optimum_qnn.errors import InvalidInputError
 

@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 import torch
 
+from optimum_qnn.artifacts.variants import VariantNotFoundError
 from optimum_qnn.errors import InvalidInputError, UnsupportedModelError
-from tests.conftest import built_once
+from tests.conftest import built_once, run_main
 from tests.test_images import photo_like
 
 # Placeholder ids inside the demo tokenizer's 512: ordinary tokens the test prompts never hold.
 IMAGE_ID, BOI_ID, EOI_ID = 511, 510, 509
 CTX, AR, SOFT = 128, 16, 70
 TEXT = [2, 40, 41, 42, 43]
+PROMPT = "The for statement"  # text whose tokens are none of the placeholder ids
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def multimodal_dir(demo_model_dir, tmp_path_factory) -> Path:
         model.model.language_model.load_state_dict(text.model.state_dict())
         out = folder / "model"
         model.save_pretrained(out)
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
             if (demo_model_dir / name).is_file():
                 shutil.copy(demo_model_dir / name, out / name)
         return out
@@ -96,6 +98,11 @@ def test_the_variant_records_what_the_runtime_needs(image_export):
     assert [t.name for t in methods["prefill_forward"].inputs[-2:]] == ["image_embeds", "image_mask"]
     assert [t.name for t in methods["kv_forward"].inputs[-1:]] != ["image_mask"]
     assert methods["vision_encoder"].outputs[0].shape[1] == SOFT
+    # The index says so too: a folder holding a text twin loads each with its own class (`select_variant`).
+    from optimum_qnn.artifacts.writer import read_index
+
+    (entry,) = read_index(image_export)["variants"]
+    assert entry["images"] == {"soft_tokens": SOFT}
 
 
 @pytest.mark.parametrize("device", ["host:executorch", "host:onnxruntime"])
@@ -139,6 +146,126 @@ def test_a_later_turn_reuses_the_images_cache(image_export):
     assert model.stats.reused_tokens == len(TEXT) + 1
 
 
+def _until_eos(ids: list[int], eos: list[int]) -> list[int]:
+    return next((ids[:i] for i, t in enumerate(ids) if t in eos), ids)
+
+
+def test_run_with_an_image_prints_the_greedy_text_of_the_image_before_the_prompt(image_export, hf_model, tmp_path,
+                                                                                  capsys):
+    """`run --image PATH --prompt TEXT`: BOS, the image's block, then the text; the printed text is Hugging Face's
+    greedy continuation of those ids (with the same pixels), up to the artifact's EOS, and one stats line follows."""
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+
+    photo = tmp_path / "photo.png"
+    photo_like(640, 480, seed=0).save(photo)  # lossless: the pixels photo_like made
+    code, out, err = run_main(["run", image_export, "--image", photo, "--prompt", PROMPT, "--max-new-tokens", 8,
+                               "--device", "host:onnxruntime"], capsys)
+    assert code == 0, err
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
+    tok = model.tokenizer()
+    inputs = model.image_inputs([photo])
+    n = int(inputs["num_soft_tokens_per_image"][0])
+    ids = model.image_prompt_ids(tok, PROMPT, [n])
+    assert ids == [TEXT[0], BOI_ID, *[IMAGE_ID] * n, EOI_ID, *tok(PROMPT, add_special_tokens=False)["input_ids"]]
+    want = _until_eos(hf_greedy(hf_model, np.array([ids]), inputs["pixel_values"], inputs["image_position_ids"], 8),
+                      model.eos_token_ids)
+    text, stats = out.rstrip("\n").rsplit("\n", 1)
+    print(f"run --image: {text!r}; Hugging Face: {want}")
+    assert text == tok.decode(want, skip_special_tokens=True)
+    assert stats.startswith(f"[{len(ids)} prompt + {len(want)} new tokens")
+
+
+def test_with_chat_the_images_open_the_users_turn(image_export, hf_model):
+    """``chat=True``: the template's ids with the images' blocks where the user's text begins (two images, in order),
+    and the continuation Hugging Face's greedy one of those ids."""
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
+    tok = model.tokenizer()
+    photos = [photo_like(91, 300, seed=1), photo_like(300, 200, seed=2)]
+    inputs = model.image_inputs(photos)
+    counts = [int(c) for c in inputs["num_soft_tokens_per_image"]]
+    ids = model.image_prompt_ids(tok, PROMPT, counts, chat=True)
+    rendered = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    opening = rendered[: rendered.index(PROMPT)]  # the template up to the user's text
+    before, rest = (tok(part, add_special_tokens=False)["input_ids"] for part in (opening, rendered[len(opening):]))
+    blocks = [t for n in counts for t in (BOI_ID, *[IMAGE_ID] * n, EOI_ID)]
+    assert ids == [*before, *blocks, *rest]
+    assert opening.endswith("user\n")
+    want = hf_greedy(hf_model, np.array([ids]), inputs["pixel_values"], inputs["image_position_ids"], 6)
+    text = model.image_text_generation(tok, PROMPT, photos, chat=True, max_new_tokens=6, eos_token_id=[])
+    assert text == tok.decode(want, skip_special_tokens=True)
+
+
+def test_a_conversation_keeps_its_images_reuses_their_cache_and_drops_them_with_their_turns(image_export, hf_model):
+    """`chat().send(text, images=...)`: the image opens its turn; a later text turn reuses everything read before it
+    (the image's K/V too) and gives Hugging Face's greedy reply to the whole conversation with the image's pixels;
+    a second image that no longer fits beside the first drops the oldest turns, the first image with them."""
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
+    model.clear_cache()
+    tok = model.tokenizer()
+    chat = model.chat(max_new_tokens=4, eos_token_id=[])
+    photos = [photo_like(640, 480, seed=0), photo_like(300, 200, seed=2)]
+    inputs = [model.image_inputs([p]) for p in photos]
+    counts = [int(i["num_soft_tokens_per_image"][0]) for i in inputs]
+
+    def hf_reply(prompt, which):
+        pixels = np.concatenate([inputs[i]["pixel_values"] for i in which])
+        positions = np.concatenate([inputs[i]["image_position_ids"] for i in which])
+        return tok.decode(hf_greedy(hf_model, np.array([prompt]), pixels, positions, 4), skip_special_tokens=True)
+
+    reply = chat.send(PROMPT, images=[photos[0]])
+    prompt = chat.input_ids[: chat.stats.prompt_tokens]
+    assert prompt == model.image_prompt_ids(tok, PROMPT, counts[:1], chat=True)
+    assert reply == hf_reply(prompt, [0]) and chat.stats.reused_tokens == 0
+    read = chat.stats.prompt_tokens + chat.stats.new_tokens - 1  # all but the reply's last token, never fed
+    reply = chat.send("if x:")
+    prompt = chat.input_ids[: chat.stats.prompt_tokens]
+    assert prompt.count(IMAGE_ID) == counts[0] and chat.stats.reused_tokens == read
+    assert reply == hf_reply(prompt, [0])
+    assert all(set(m) == {"role", "content"} for m in chat.history)
+    reply = chat.send("a list", images=[photos[1]])  # two images do not fit a context of 128 tokens
+    prompt = chat.input_ids[: chat.stats.prompt_tokens]
+    assert chat.stats.dropped_turns >= 1 and chat.history[0]["content"] != PROMPT and chat.history[-2:] == [
+        {"role": "user", "content": "a list"}, {"role": "assistant", "content": reply}]
+    assert prompt.count(IMAGE_ID) == counts[1] and prompt.count(BOI_ID) == 1
+    assert reply == hf_reply(prompt, [1])
+
+
+def test_the_terminal_chat_takes_images_with_slash_image(image_export, tmp_path):
+    import io
+
+    from optimum_qnn.runtime import repl
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+
+    photo = tmp_path / "photo.png"
+    photo_like(640, 480, seed=0).save(photo)
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
+    model.clear_cache()
+    chat = model.chat(max_new_tokens=3)
+    out = io.StringIO()
+    lines = f"/image {tmp_path / 'missing.png'}\n/image {photo}\n{PROMPT}\n/exit\n"
+    assert repl.run(chat, stdin=io.StringIO(lines), out=out) == 0
+    text = out.getvalue()
+    assert "/image PATH adds an image to the next message" in text.splitlines()[0]
+    assert "No such image file" in text and "(image 1 of the next message" in text
+    n = int(model.image_inputs([photo])["num_soft_tokens_per_image"][0])
+    assert chat.input_ids[: chat.stats.prompt_tokens] == model.image_prompt_ids(model.tokenizer(), PROMPT, [n], chat=True)
+
+
+def test_run_refuses_images_it_cannot_read_before_loading(tmp_path, capsys):
+    code, _, err = run_main(["run", tmp_path / "no-artifact", "--image", tmp_path / "missing.png", "--prompt", "x"],
+                            capsys)
+    assert code == 2 and "no such image file" in err and "missing.png" in err
+    code, _, err = run_main(["run", tmp_path / "no-artifact", "--image", tmp_path / "x.png", "--prompt-ids", "2,3"],
+                            capsys)
+    assert code == 2 and "--image goes with --prompt" in err
+    code, _, err = run_main(["chat", tmp_path / "no-artifact", "--image", tmp_path / "missing.png"], capsys)
+    assert code == 2 and "no such image file" in err
+
+
 def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, multimodal_dir, demo_model_dir, tmp_path):
     from optimum_qnn.artifacts.manifest import read_manifest
     import argparse
@@ -149,7 +276,7 @@ def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, m
     from optimum_qnn.runtime.backends.runner import check_runner_layout
     from optimum_qnn.runtime.images import QNNModelForImageTextToText
 
-    with pytest.raises(InvalidInputError, match="takes no images.*--task image-text-to-text"):
+    with pytest.raises(VariantNotFoundError, match="takes images .*: exported for text generation.*--task image-text-to-text"):
         QNNModelForImageTextToText.from_pretrained(fp16_export.output, device="host:onnxruntime")
     (variant,) = [p.parent for p in image_export.glob("qnn/*/*/manifest.json")]
     with pytest.raises(InvalidInputError, match="takes images.*qnn_llama_runner feeds token ids only"):

@@ -89,7 +89,7 @@ def check_folder_or_repo_id(name: str, what: str) -> None:
 def download_variant(
     repo_id: str, *, soc: str | None, quant: str | None, context_len: int | None, revision: str | None,
     cache_layout: str | None = None, prefer_layout: str = "full", max_memory: float | None = None,
-    speculative: str | None = None,
+    speculative: str | None = None, images: bool = False,
 ) -> tuple[Path, dict]:
     """Download the variant index of ``repo_id``, pick one variant, and fetch only its files plus the shared root
     files (config, tokenizer). Works offline from the Hugging Face cache (``HF_HUB_OFFLINE=1``).
@@ -123,7 +123,7 @@ def download_variant(
         index_path = hf_hub_download(repo_id, INDEX_NAME, revision=revision)
         entry = select_variant(json.loads(Path(index_path).read_text()), soc, quant, context_len, cache_layout,
                                prefer_layout=prefer_layout, fit=MemoryFit(need_bytes, max_memory),
-                               speculative=speculative)
+                               speculative=speculative, images=images)
         what = f"Variant {entry['path']} of {repo_id!r}"
         folder = Path(
             snapshot_download(repo_id, revision=revision, allow_patterns=[f"{entry['path']}/*", INDEX_NAME, *ROOT_FILES])

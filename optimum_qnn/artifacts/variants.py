@@ -40,10 +40,17 @@ def entry_layout(entry: dict[str, Any]) -> str:
 
 def describe(entry: dict[str, Any]) -> str:
     """``SM8650/fp16/ctx64/hybrid`` (``/ring`` or ``/blocks`` appended for those layouts, ``/asstK`` for an assistant
-    drafting K tokens a round): how an error lists a variant."""
+    drafting K tokens a round, ``/imgN`` for an image variant of N soft tokens an image): how an error lists a
+    variant."""
     ring = "" if entry_layout(entry) == FULL_LAYOUT else f"/{entry_layout(entry)}"
     assistant = f"/asst{entry['assistant']['draft_len']}" if entry.get("assistant") else ""
-    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}{assistant}"
+    images = f"/img{entry['images']['soft_tokens']}" if entry_takes_images(entry) else ""
+    return f"{entry['soc']}/{entry['quant']}/ctx{entry['context_len']}/{entry['mode']}{ring}{assistant}{images}"
+
+
+def entry_takes_images(entry: dict[str, Any]) -> bool:
+    """Whether an index entry's variant holds a vision encoder (``export --task image-text-to-text``)."""
+    return bool(entry.get("images"))
 
 
 def entry_speculative(entry: dict[str, Any]) -> str | None:
@@ -57,9 +64,13 @@ def entry_speculative(entry: dict[str, Any]) -> str | None:
 def select_variant(
     index: dict[str, Any], soc: str | None, quant: str | None, context_len: int | None,
     cache_layout: str | None = None, *, prefer_layout: str = FULL_LAYOUT, fit: "MemoryFit | None" = None,
-    speculative: str | None = None,
+    speculative: str | None = None, images: bool = False,
 ) -> dict[str, Any]:
     """The index entry matching the request (None matches anything); a miss lists what exists.
+
+    ``images``: only the variants that take images (`QNNModelForImageTextToText`); without it a variant that takes
+    images is set aside for its text-only twin (same SoC, scheme, context, layout and mode), whose prefill is the
+    cheaper graph.
 
     Where the request leaves a choice:
     - variants of the same SoC, scheme, context and layout exported for different decodings (plain, ``-asstK``,
@@ -85,6 +96,15 @@ def select_variant(
         if all(val is None or v.get(key) == val for key, val in want.items())
         and cache_layout in (None, entry_layout(v))
     ]
+    if images:
+        if hits and not any(entry_takes_images(v) for v in hits):
+            raise VariantNotFoundError(
+                f"No variant that matches takes images ({', '.join(describe(v) for v in hits)}: exported for text "
+                "generation): export one with --task image-text-to-text, or load these with QNNModelForCausalLM"
+            )
+        hits = [v for v in hits if entry_takes_images(v)]
+    elif len(hits) > 1:
+        hits = _prefer(hits, entry_takes_images, False, lambda v: (*_but_context(v)[:-1], v.get("context_len"), entry_layout(v)))
     if len(hits) > 1:
         hits = _speculative_choice(hits, speculative)
     if len(hits) > 1 and cache_layout is None:
@@ -116,7 +136,7 @@ def select_contexts(index: dict[str, Any], soc: str | None, quant: str | None) -
 
 def _but_context(entry: dict[str, Any]) -> tuple:
     """What variants that differ only in context share (after `_preferred_layout`, one layout per context)."""
-    return entry.get("soc"), entry.get("quant"), entry.get("mode"), entry_speculative(entry)
+    return entry.get("soc"), entry.get("quant"), entry.get("mode"), entry_speculative(entry), entry_takes_images(entry)
 
 
 def _speculative_choice(hits: list[dict[str, Any]], speculative: str | None) -> list[dict[str, Any]]:

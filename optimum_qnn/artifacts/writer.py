@@ -375,6 +375,8 @@ class VariantWriter:
         }
         if config.draft_len is not None:  # an index without it: no variant has an assistant
             entry["assistant"] = {"method": DRAFT_METHOD, "draft_len": config.draft_len}
+        if config.image_tokens is not None:  # an index without it: no variant takes images
+            entry["images"] = {"soft_tokens": config.image_tokens}
         index["variants"] = [v for v in index["variants"] if v.get("path") != name] + [entry]
         index["variants"].sort(key=lambda v: v["path"])
         atomic_write_text(self.output / INDEX_NAME, json.dumps(index, indent=2) + "\n")

@@ -8,6 +8,10 @@ prefilled. A runner backend (a board, a phone) starts a process per call and pre
 
 When a turn does not fit the exported context, the oldest whole turns go (the system prompt stays), the kept ones are
 rendered again and prefilled again, and the session says so once: a warning and ``stats.dropped_turns``.
+
+On an image variant (`QNNModelForImageTextToText`) a message may carry images (``send(text, images=[...])``): each
+is encoded once, when it is sent, and its block (BOI, its soft tokens' placeholders, EOI) opens that user turn; every
+later turn passes the conversation's images again, and the host keeps their K/V with the rest of the prefix.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.runtime.generation import GenerationStats
 from optimum_qnn.runtime.limits import DEFAULT_MAX_NEW_TOKENS, limits_of
@@ -23,6 +29,10 @@ from optimum_qnn.runtime.stops import conversation_stop_ids
 
 logger = logging.getLogger(__name__)
 
+# A user turn's images (the soft tokens of each) are kept under this key of its message; `history` leaves it out.
+_IMAGES = "images"
+# Rendered by the chat template for each image where its turn's content begins (`ChatSession._render`).
+_IMAGE_MARK = "\x00image\x00"
 # What `chat(**defaults)` and `send(**overrides)` pass on to `generate`.
 GENERATION_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "generator",
                                 "speculative"})
@@ -67,7 +77,7 @@ class ChatSession:
     def history(self) -> list[dict[str, str]]:
         """The conversation as chat messages: the system prompt (if any), then user and assistant turns."""
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        return system + [dict(m) for m in self._turns]
+        return system + [{k: v for k, v in m.items() if k != _IMAGES} for m in self._turns]
 
     @property
     def input_ids(self) -> list[int]:
@@ -81,24 +91,31 @@ class ChatSession:
         self._ids: list[int] = []
         self._text = ""  # the template's rendering of the conversation that ``_ids`` holds
 
-    def send(self, text: str, streamer: Any = None, cancel: Any = None, **overrides: Any) -> str:
+    def send(self, text: str, streamer: Any = None, cancel: Any = None, images: Any = None, **overrides: Any) -> str:
         """Add the user's ``text``, generate the reply and return it (without its end-of-turn token).
 
         ``streamer`` gets the reply's tokens as they come; ``cancel()`` returning True stops the reply there (what is
-        generated so far is kept as the reply). ``overrides`` replace the session's `generate` options for this turn.
-        A turn that does not fit drops the oldest turns; one that cannot fit even alone raises
-        `ContextOverflowError` and leaves the session as it was.
+        generated so far is kept as the reply). ``images`` (paths, bytes or PIL images; an image variant only) open
+        the message. ``overrides`` replace the session's `generate` options for this turn. A turn that does not fit
+        drops the oldest turns (and their images); one that cannot fit even alone raises `ContextOverflowError` and
+        leaves the session as it was.
         """
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str) or not text.strip() or _IMAGE_MARK in text:
             raise InvalidInputError(f"A chat message must be a non-empty string; got {text!r}")
         options = {**self.defaults, **_options(overrides, "send()")}
         if "eos_token_id" not in options:
             options["eos_token_id"] = sorted(self.stop_ids)
-        turns = self._turns + [{"role": "user", "content": text}]
+        turn = {"role": "user", "content": text}
+        if images:
+            turn[_IMAGES] = self._encoded(images)
+        turns = self._turns + [turn]
         asked = options.get("max_new_tokens")
         ids, text_so_far, dropped, turns = self._prompt(turns, DEFAULT_MAX_NEW_TOKENS if asked is None else asked)
         if asked is None:
             options["max_new_tokens"] = limits_of(self.model).default_max_new_tokens(len(ids))
+        features = [rows for t in turns for rows in t.get(_IMAGES, ())]
+        if features:
+            options["image_features"] = np.concatenate(features)
         out = self.model.generate_tokens(ids, streamer=streamer, cancel=cancel, reuse_cache=True, **options)
         new = out[0, len(ids):].tolist()
         stats = self.model.stats
@@ -111,17 +128,39 @@ class ChatSession:
         self._close(ids + new, text_so_far, reply, ended_by=new[-1] if ended else None)
         return reply
 
+    def _encoded(self, images: Any) -> list[np.ndarray]:
+        """Each image's soft tokens (``[n, hidden]``), from the variant's vision encoder."""
+        if not getattr(self.model, "takes_images", False):
+            raise InvalidInputError("This variant takes no images: load an image variant (export --task "
+                                    "image-text-to-text) with QNNModelForImageTextToText, or `chat --image`")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        inputs = self.model.image_inputs(images)
+        rows = self.model.encode_images(inputs["pixel_values"], inputs["image_position_ids"])
+        ends = np.cumsum(inputs["num_soft_tokens_per_image"])
+        return [rows[end - n: end] for n, end in zip(inputs["num_soft_tokens_per_image"], ends)]
+
     # --- the conversation as tokens ---------------------------------------------------------------------------
 
-    def _render(self, turns: list[dict[str, str]], open_reply: bool) -> str:
+    def _render(self, turns: list[dict[str, Any]], open_reply: bool) -> str:
+        """The template's text of ``turns``; a turn's images are one marker each where its content begins."""
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        return self.tokenizer.apply_chat_template(system + turns, add_generation_prompt=open_reply, tokenize=False)
+        messages = [{"role": t["role"], "content": _IMAGE_MARK * len(t.get(_IMAGES, ())) + t["content"]} for t in turns]
+        return self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=open_reply, tokenize=False)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, turns: list[dict[str, Any]] = ()) -> list[int]:
+        """The ids of ``text`` (a rendering of ``turns``, or its end): each image marker becomes that image's block.
+        The markers ``text`` holds are the last images of ``turns``."""
         # The template writes the special tokens (<bos>, the turn markers) as text, so nothing is added here (what
         # apply_chat_template(tokenize=True) does too).
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return list(ids)
+        parts = text.split(_IMAGE_MARK)
+        counts = [len(rows) for t in turns for rows in t.get(_IMAGES, ())]
+        counts = counts[len(counts) - (len(parts) - 1):]
+        ids = list(self.tokenizer(parts[0], add_special_tokens=False)["input_ids"])
+        for n, part in zip(counts, parts[1:]):
+            info = self.model.manifest.contract.images
+            ids += [info.boi_token_id, *[info.image_token_id] * n, info.eoi_token_id]
+            ids += list(self.tokenizer(part, add_special_tokens=False)["input_ids"]) if part else []
+        return ids
 
     def _prompt(self, turns: list[dict[str, str]], max_new_tokens: int):
         """The ids of the prompt for ``turns`` (ending with the new user message): the held ids plus the new text when
@@ -132,15 +171,15 @@ class ChatSession:
         reserve = max(1, min(max_new_tokens, capacity // 4))  # room for the reply; a longer one stops at context_full
         rendered = self._render(turns, open_reply=True)
         if self._ids and rendered.startswith(self._text):
-            ids = self._ids + self._encode(rendered[len(self._text):])
+            ids = self._ids + self._encode(rendered[len(self._text):], turns)
         else:
-            ids = self._encode(rendered)
+            ids = self._encode(rendered, turns)
         dropped = 0
         while limits.room(len(ids)) < reserve and len(turns) > 1:
             turns = turns[2:] if turns[1]["role"] == "assistant" else turns[1:]  # a user turn and its reply
             dropped += 1
             rendered = self._render(turns, open_reply=True)
-            ids = self._encode(rendered)
+            ids = self._encode(rendered, turns)
         if dropped:
             logger.warning(
                 "The conversation no longer fits the exported context of %d tokens: dropped the oldest %d turn(s)%s "
@@ -154,7 +193,7 @@ class ChatSession:
         closed = self._render(self._turns, open_reply=False)
         head = prompt_text + reply
         if not closed.startswith(head):  # a template that rewrites earlier turns (e.g. trims them): render it all
-            self._ids, self._text = self._encode(closed), closed
+            self._ids, self._text = self._encode(closed, self._turns), closed
             return
         tail = closed[len(head):]
         if ended_by is not None:

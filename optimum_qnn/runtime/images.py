@@ -12,6 +12,7 @@ Runtime code: numpy only (Pillow for `optimum_qnn.images`); no torch needed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,13 @@ from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
 from optimum_qnn.images import ImageGeometry, encoder_inputs, preprocess
 from optimum_qnn.ops.arrays import as_numpy
 from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+from optimum_qnn.runtime.stops import text_stop_ids
 
 __all__ = ["QNNModelForImageTextToText"]
+
+# Rendered by the chat template where the user's content begins (`image_prompt_ids`): no text holds it, and no template
+# trims it.
+_IMAGES_HERE = "\x00images\x00"
 
 
 class QNNModelForImageTextToText(QNNModelForCausalLM):
@@ -37,6 +43,10 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
     >>> out = model.generate(**inputs, max_new_tokens=32)
     ```
     """
+
+    takes_images = True  # `from_pretrained` picks among the variants that take images
+    pipeline_tables = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",)
+    input_modalities = ("image", "text")
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> "QNNModelForImageTextToText":
@@ -105,3 +115,46 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
         batch = preprocess(images, self.geometry)
         return {"pixel_values": batch.pixel_values, "image_position_ids": batch.image_position_ids,
                 "num_soft_tokens_per_image": np.asarray(batch.num_soft_tokens_per_image)}
+
+    def image_text_generation(self, tokenizer, prompt: str, images: Sequence[Any], *, chat: bool = False,
+                              **kwargs: Any) -> str:
+        """`text_generation` with ``images`` (paths, bytes or PIL images) before the text: each image's block (BOI,
+        its soft tokens' placeholders, EOI) opens the prompt after BOS, or with ``chat`` the user's turn, as Gemma 4's
+        processor and chat template place an image given before the text. ``kwargs`` go to `generate_tokens`."""
+        if not isinstance(prompt, str):
+            raise InvalidInputError(f"prompt must be a string; got {type(prompt).__name__}")
+        if not images:
+            raise InvalidInputError("image_text_generation needs at least one image (text alone: text_generation)")
+        inputs = self.image_inputs(images)
+        features = self.encode_images(inputs["pixel_values"], inputs["image_position_ids"])
+        ids = self.image_prompt_ids(tokenizer, prompt, inputs["num_soft_tokens_per_image"].tolist(), chat=chat)
+        kwargs.setdefault("eos_token_id", text_stop_ids(self.manifest.tokenizer.eos_ids, tokenizer, chat))
+        out = self.generate_tokens(ids, image_features=features, **kwargs)
+        return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+    def image_prompt_ids(self, tokenizer, prompt: str, soft_tokens: Sequence[int], *, chat: bool = False) -> list[int]:
+        """The ids of ``prompt`` with one image block per entry of ``soft_tokens`` (that image's soft-token count)
+        before its text: after BOS, or with ``chat`` at the start of the user's turn of the chat template."""
+        info = self.manifest.contract.images
+        block = [t for n in soft_tokens for t in (info.boi_token_id, *[info.image_token_id] * int(n), info.eoi_token_id)]
+        if not chat:
+            ids = list(_ids(tokenizer(prompt, add_special_tokens=True)))
+            head = 1 if ids and ids[0] == self.manifest.tokenizer.bos_id else 0
+            return [*ids[:head], *block, *ids[head:]]
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInputError("chat=True needs a tokenizer with a chat template, and this one has none: pass "
+                                    "chat=False (without --chat)")
+        # The template renders a marker where the user's content begins; the images take its place.
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _IMAGES_HERE + prompt}],
+                                                 add_generation_prompt=True, tokenize=False)
+        if rendered.count(_IMAGES_HERE) != 1:
+            raise InvalidInputError("The chat template does not copy the user's text as it is, so the images have no "
+                                    "place in it: pass chat=False (without --chat)")
+        before, after = (_ids(tokenizer(part, add_special_tokens=False)) for part in rendered.split(_IMAGES_HERE))
+        return [*before, *block, *after]
+
+
+def _ids(encoded: Any) -> list[int]:
+    """The ids of a tokenizer call's result (a transformers `BatchEncoding`, a dict, or the ids themselves)."""
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    return [int(t) for t in ids]

@@ -64,6 +64,9 @@ class QNNModelForCausalLM(TransformersModelMixin):
     ```
     """
 
+    # Which variants `from_pretrained` picks from (`select_variant`): a text variant where one has an image twin.
+    takes_images = False
+
     def __init__(self, root: Path, variant: Path, manifest: Manifest, backend: Any = None, *,
                  allowed_root: Path | None = None, name: str | None = None):
         """A verified variant and the backend that runs it (default: the host backend). ``name``: what a user calls
@@ -159,13 +162,13 @@ class QNNModelForCausalLM(TransformersModelMixin):
             index = read_index(root)
             fit = MemoryFit(lambda e: memory_need_bytes(read_manifest(resolve_inside(root, e["path"]))), max_memory)
             entry = select_variant(index, soc, quant, context_len, cache_layout, prefer_layout=prefer, fit=fit,
-                                   speculative=speculative)
+                                   speculative=speculative, images=cls.takes_images)
         else:
             from optimum_qnn.artifacts.hub import download_variant
 
             root, entry = download_variant(str(repo_or_dir), soc=soc, quant=quant, context_len=context_len, revision=revision,
                                            cache_layout=cache_layout, prefer_layout=prefer, max_memory=max_memory,
-                                           speculative=speculative)
+                                           speculative=speculative, images=cls.takes_images)
             blobs = root.parent.parent / "blobs"  # <cache>/models--org--name/snapshots/<sha>: files link into blobs/
             name = str(repo_or_dir).strip().rstrip("/").rsplit("/", 1)[-1]  # the repo's name, not the snapshot's sha
         if not (root / INDEX_NAME).is_file():
