@@ -310,6 +310,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $OPTIMUM_QNN_API_KEY; unset: no check)")
     parser.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (default: %(default)s)")
     parser.add_argument("--name", help="the model id clients send (default: the artifact folder's or Hub repo's name)")
+    parser.add_argument("--images", action="store_true",
+                        help="serve the image variant (export --task image-text-to-text): chat messages may hold "
+                        "image_url parts, as data: URLs")
     parser.add_argument("--shutdown-grace", type=float, default=None, metavar="SECONDS",
                         help="on SIGTERM/Ctrl-C, how long the running generation may go on before it is cancelled "
                         "(default: 10)")
@@ -328,7 +331,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         configure_logging(args.verbose)
         try:
             with third_party_quiet(args.verbose):
-                model = _load_variant(args, speculative=args.speculative, fastest=True)
+                model = _load_variant(args, speculative=args.speculative, fastest=True, images=args.images)
                 tokenizer = model.tokenizer()  # requests are text: an artifact without one is refused here
         except OptimumQnnError as e:
             print(f"error: {e}", file=sys.stderr)

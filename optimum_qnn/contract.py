@@ -128,6 +128,12 @@ class MethodSpec:
         """Whether this method takes soft tokens (`IMAGE_INPUTS`, its last two inputs)."""
         return len(self.inputs) >= 2 and self.inputs[-1].name == IMAGE_INPUTS[1]
 
+    @property
+    def image_width(self) -> int | None:
+        """The width of one soft token this method takes (its ``image_embeds`` input's last dimension: the decoder's
+        hidden size), or None for a method that takes none."""
+        return self.inputs[-2].shape[-1] if self.takes_images else None
+
 
 def column_blocks(cache_len: int, block_len: int | None) -> list[tuple[int, int]]:
     """The ``[start, end)`` slot ranges of a cache of ``cache_len`` slots cut into blocks of ``block_len`` (the last

@@ -136,7 +136,7 @@ class KVSession:
             c = self.contract
             buffers = self._method_inputs[spec.name] = _MethodInputs(
                 spec.ar_len, c.context_len, c.sliding_window, self.mask_spec.dtype, c.mask_attend, c.mask_masked,
-                ring_len=c.ring_len, image_size=spec.inputs[-2].shape[-1] if spec.takes_images else None,
+                ring_len=c.ring_len, image_size=spec.image_width,
             )
         return buffers
 
@@ -309,7 +309,7 @@ class KVSession:
         if spec is None or not spec.takes_images:
             raise InvalidInputError("This variant takes no images (its prefill method has no soft-token inputs); "
                                     "export it with --task image-text-to-text")
-        width = spec.inputs[-2].shape[-1]
+        width = spec.image_width
         if images.mask.shape != (n,) or images.embeds.shape != (n, width):
             raise InvalidInputError(f"Soft tokens must be [{n}, {width}] rows with a mask of {n}; got "
                                     f"{images.embeds.shape} and {images.mask.shape}")

@@ -255,6 +255,52 @@ def test_the_terminal_chat_takes_images_with_slash_image(image_export, tmp_path)
     assert chat.input_ids[: chat.stats.prompt_tokens] == model.image_prompt_ids(model.tokenizer(), PROMPT, [n], chat=True)
 
 
+def test_the_server_reads_image_parts_as_data_urls_and_refuses_what_it_cannot_read(image_export, hf_model, fp16_model):
+    """`serve --images` through the official client: an ``image_url`` part (a data: URL) before the text gives Hugging
+    Face's greedy reply to the image's chat prompt; a remote URL, bytes that are no image, and an image sent to a
+    server of a text variant are 400s that say why."""
+    import base64
+    import io
+
+    import openai
+
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+    from optimum_qnn.runtime.stops import conversation_stop_ids
+    from tests.test_server import client, running
+
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
+    model.clear_cache()
+    tok = model.tokenizer()
+    photo = photo_like(640, 480, seed=0)
+    png = io.BytesIO()
+    photo.save(png, format="PNG")
+
+    def ask(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": PROMPT}]}]
+
+    inputs = model.image_inputs([photo])
+    ids = model.image_prompt_ids(tok, PROMPT, [int(inputs["num_soft_tokens_per_image"][0])], chat=True)
+    want = _until_eos(hf_greedy(hf_model, np.array([ids]), inputs["pixel_values"], inputs["image_position_ids"], 4),
+                      conversation_stop_ids(model.manifest.tokenizer.eos_ids, tok))
+    with running(model) as url:
+        c = client(url)
+        out = c.chat.completions.create(model="demo", messages=ask("data:image/png;base64," +
+                                                                   base64.b64encode(png.getvalue()).decode()),
+                                        max_tokens=4, temperature=0)
+        assert out.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        assert out.usage.prompt_tokens == len(ids)
+        for bad, words in (("https://example.com/cat.png", "only data: URLs are read"),
+                           ("data:image/png;base64," + base64.b64encode(b"no image").decode(), "cannot be read")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="demo", messages=ask(bad), max_tokens=2)
+            assert words in e.value.message, e.value.message
+    with running(fp16_model) as url:
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).chat.completions.create(model="demo", messages=ask("data:image/png;base64,AAAA"), max_tokens=2)
+        assert "takes no images" in e.value.message and "serve --images" in e.value.message
+
+
 def test_run_refuses_images_it_cannot_read_before_loading(tmp_path, capsys):
     code, _, err = run_main(["run", tmp_path / "no-artifact", "--image", tmp_path / "missing.png", "--prompt", "x"],
                             capsys)

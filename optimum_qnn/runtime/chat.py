@@ -24,6 +24,7 @@ import numpy as np
 
 from optimum_qnn.errors import InvalidInputError
 from optimum_qnn.runtime.generation import GenerationStats
+from optimum_qnn.runtime.image_prompts import check_unmarked, encode_marked, marked
 from optimum_qnn.runtime.limits import DEFAULT_MAX_NEW_TOKENS, limits_of
 from optimum_qnn.runtime.stops import conversation_stop_ids
 
@@ -31,8 +32,6 @@ logger = logging.getLogger(__name__)
 
 # A user turn's images (the soft tokens of each) are kept under this key of its message; `history` leaves it out.
 _IMAGES = "images"
-# Rendered by the chat template for each image where its turn's content begins (`ChatSession._render`).
-_IMAGE_MARK = "\x00image\x00"
 # What `chat(**defaults)` and `send(**overrides)` pass on to `generate`.
 GENERATION_OPTIONS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "generator",
                                 "speculative"})
@@ -100,8 +99,9 @@ class ChatSession:
         drops the oldest turns (and their images); one that cannot fit even alone raises `ContextOverflowError` and
         leaves the session as it was.
         """
-        if not isinstance(text, str) or not text.strip() or _IMAGE_MARK in text:
+        if not isinstance(text, str) or not text.strip():
             raise InvalidInputError(f"A chat message must be a non-empty string; got {text!r}")
+        check_unmarked(text, "A chat message")
         options = {**self.defaults, **_options(overrides, "send()")}
         if "eos_token_id" not in options:
             options["eos_token_id"] = sorted(self.stop_ids)
@@ -144,7 +144,7 @@ class ChatSession:
     def _render(self, turns: list[dict[str, Any]], open_reply: bool) -> str:
         """The template's text of ``turns``; a turn's images are one marker each where its content begins."""
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        messages = [{"role": t["role"], "content": _IMAGE_MARK * len(t.get(_IMAGES, ())) + t["content"]} for t in turns]
+        messages = [{"role": t["role"], "content": marked(t["content"], len(t.get(_IMAGES, ())))} for t in turns]
         return self.tokenizer.apply_chat_template(system + messages, add_generation_prompt=open_reply, tokenize=False)
 
     def _encode(self, text: str, turns: list[dict[str, Any]] = ()) -> list[int]:
@@ -152,15 +152,10 @@ class ChatSession:
         The markers ``text`` holds are the last images of ``turns``."""
         # The template writes the special tokens (<bos>, the turn markers) as text, so nothing is added here (what
         # apply_chat_template(tokenize=True) does too).
-        parts = text.split(_IMAGE_MARK)
         counts = [len(rows) for t in turns for rows in t.get(_IMAGES, ())]
-        counts = counts[len(counts) - (len(parts) - 1):]
-        ids = list(self.tokenizer(parts[0], add_special_tokens=False)["input_ids"])
-        for n, part in zip(counts, parts[1:]):
-            info = self.model.manifest.contract.images
-            ids += [info.boi_token_id, *[info.image_token_id] * n, info.eoi_token_id]
-            ids += list(self.tokenizer(part, add_special_tokens=False)["input_ids"]) if part else []
-        return ids
+        if not counts:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_marked(self.tokenizer, text, counts, self.model.manifest.contract.images)
 
     def _prompt(self, turns: list[dict[str, str]], max_new_tokens: int):
         """The ids of the prompt for ``turns`` (ending with the new user message): the held ids plus the new text when

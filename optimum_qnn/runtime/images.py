@@ -12,7 +12,7 @@ Runtime code: numpy only (Pillow for `optimum_qnn.images`); no torch needed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,14 +20,11 @@ import numpy as np
 from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
 from optimum_qnn.images import ImageGeometry, encoder_inputs, preprocess
 from optimum_qnn.ops.arrays import as_numpy
+from optimum_qnn.runtime.image_prompts import check_unmarked, encode_marked, image_block, marked
 from optimum_qnn.runtime.modeling import QNNModelForCausalLM
 from optimum_qnn.runtime.stops import text_stop_ids
 
 __all__ = ["QNNModelForImageTextToText"]
-
-# Rendered by the chat template where the user's content begins (`image_prompt_ids`): no text holds it, and no template
-# trims it.
-_IMAGES_HERE = "\x00images\x00"
 
 
 class QNNModelForImageTextToText(QNNModelForCausalLM):
@@ -136,25 +133,14 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
         """The ids of ``prompt`` with one image block per entry of ``soft_tokens`` (that image's soft-token count)
         before its text: after BOS, or with ``chat`` at the start of the user's turn of the chat template."""
         info = self.manifest.contract.images
-        block = [t for n in soft_tokens for t in (info.boi_token_id, *[info.image_token_id] * int(n), info.eoi_token_id)]
+        check_unmarked(prompt, "The prompt")
         if not chat:
-            ids = list(_ids(tokenizer(prompt, add_special_tokens=True)))
+            ids = [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
             head = 1 if ids and ids[0] == self.manifest.tokenizer.bos_id else 0
-            return [*ids[:head], *block, *ids[head:]]
+            return [*ids[:head], *(t for n in soft_tokens for t in image_block(info, n)), *ids[head:]]
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInputError("chat=True needs a tokenizer with a chat template, and this one has none: pass "
                                     "chat=False (without --chat)")
-        # The template renders a marker where the user's content begins; the images take its place.
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _IMAGES_HERE + prompt}],
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": marked(prompt, len(soft_tokens))}],
                                                  add_generation_prompt=True, tokenize=False)
-        if rendered.count(_IMAGES_HERE) != 1:
-            raise InvalidInputError("The chat template does not copy the user's text as it is, so the images have no "
-                                    "place in it: pass chat=False (without --chat)")
-        before, after = (_ids(tokenizer(part, add_special_tokens=False)) for part in rendered.split(_IMAGES_HERE))
-        return [*before, *block, *after]
-
-
-def _ids(encoded: Any) -> list[int]:
-    """The ids of a tokenizer call's result (a transformers `BatchEncoding`, a dict, or the ids themselves)."""
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
-    return [int(t) for t in ids]
+        return encode_marked(tokenizer, rendered, soft_tokens, info)

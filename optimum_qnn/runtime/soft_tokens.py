@@ -28,7 +28,7 @@ def soft_tokens_of(model: Any, prompt: np.ndarray, features: Any) -> tuple[np.nd
     if int(mask.sum()) != len(features):
         raise InvalidInputError(f"The prompt holds {int(mask.sum())} image placeholders and {len(features)} soft tokens "
                                 "were given for it")
-    width = model.contract.method(PREFILL_METHOD).inputs[-2].shape[-1]
+    width = model.contract.method(PREFILL_METHOD).image_width
     embeds = np.zeros((prompt.size, width), dtype=np.float32)
     if len(features):
         embeds[mask] = features

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from optimum_qnn.errors import ContextOverflowError, InvalidInputError, OptimumQnnError, UnsupportedParameterError
 from optimum_qnn.runtime.generation import Sampling
+from optimum_qnn.runtime.image_prompts import IMAGE_MARK, encode_marked, marked
 from optimum_qnn.runtime.limits import limits_of
 from optimum_qnn.runtime.server.engine import Engine, Job, QueueFull
 from optimum_qnn.runtime.server.protocol import ApiError, Request, chat_messages, completion_prompt, parse
@@ -39,6 +40,7 @@ from optimum_qnn.runtime.stops import conversation_stop_ids
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 1 << 20  # bytes; a longer body is a 413
+IMAGE_MAX_BODY = 32 << 20  # bytes, for a server of an image variant: photographs come inline, base64 (4/3 their size)
 
 
 _STOPPING = ApiError(503, "The server is stopping; the generation was cancelled", code="server_shutdown",
@@ -86,6 +88,7 @@ class Service:
         self.capacity = self.limits.context_len
         self.eos = conversation_stop_ids(model.manifest.tokenizer.eos_ids, tokenizer)
         self.check_sampling = getattr(model.backend, "check_sampling", None)  # a backend that samples only partly
+        self.takes_images = getattr(model, "takes_images", False)  # `QNNModelForImageTextToText`: image_url parts
         self.created = int(time.time())
         self.stopping = False  # set when the server stops: cancelled generations then say why
 
@@ -130,16 +133,26 @@ class Service:
             self.check_sampling(Sampling(options["do_sample"], options.get("temperature", 1.0), options.get("top_k"),
                                          options.get("top_p"), options.get("generator")))
 
-    def _ids(self, body: dict, chat: bool) -> list[int]:
+    def _ids(self, body: dict, chat: bool) -> tuple[list[int], dict[str, Any] | None]:
+        """The prompt's ids, and its images' processed inputs (None without images)."""
+        pictures = None
         if chat:
-            messages = chat_messages(body)
+            messages, images = chat_messages(body, self.takes_images)
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ApiError(400, "This model's tokenizer has no chat template: use /v1/completions")
+            if any(images):
+                if any(IMAGE_MARK in m["content"] for m in messages):
+                    raise ApiError(400, "A message holds the reserved sequence \\x00image\\x00", param="messages")
+                pictures, counts = self._images([b for found in images for b in found])
+                messages = [{**m, "content": marked(m["content"], len(found))} for m, found in zip(messages, images)]
             try:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # the template's own refusal (e.g. roles that do not alternate)
                 raise ApiError(400, f"The chat template refused these messages: {e}", param="messages") from None
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if pictures is None:
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = encode_marked(self.tokenizer, text, counts, self.model.manifest.contract.images)
         else:
             ids = self.tokenizer(completion_prompt(body), add_special_tokens=True)["input_ids"]
         if self.limits.room(len(ids)) < 1:
@@ -151,7 +164,17 @@ class Service:
                 "Shorten them, or export with a larger --max-seq-len.",
                 code="context_length_exceeded", param="messages" if chat else "prompt",
             )
-        return list(ids)
+        return list(ids), pictures
+
+    def _images(self, images: list[bytes]) -> tuple[dict[str, Any], list[int]]:
+        """The images' processed inputs (Gemma 4's processing at the variant's budget) and soft-token counts; an image
+        that cannot be read is a 400 naming why."""
+        try:
+            pictures = self.model.image_inputs(images)
+        except OptimumQnnError as e:
+            raise ApiError(400, f"An image of the messages cannot be read: {e}", param="messages",
+                           code="invalid_image") from None
+        return pictures, [int(n) for n in pictures["num_soft_tokens_per_image"]]
 
     # --- endpoints ------------------------------------------------------------------------------------------------
 
@@ -198,11 +221,11 @@ class Service:
             req = parse(body, chat=chat)
             self._check_model(req.model)
             self._check_sampling(req.options)
-            ids = self._ids(body, chat)
+            ids, pictures = self._ids(body, chat)
             n = len(ids)
             asked = self.limits.default_max_new_tokens(n) if req.max_tokens is None else min(req.max_tokens, self.limits.room(n))
             options = dict(req.options, max_new_tokens=asked, eos_token_id=self.eos)
-            job = Job(ids, options, req.stop)
+            job = Job(ids, options, req.stop, images=pictures)
             try:
                 done = self.engine.submit(job)
             except QueueFull:
@@ -290,9 +313,12 @@ class Service:
 
 
 def build_app(model: Any, tokenizer: Any = None, *, name: str | None = None, api_key: str | None = None,
-              queue_size: int = 8, max_body: int = DEFAULT_MAX_BODY) -> Starlette:
+              queue_size: int = 8, max_body: int | None = None) -> Starlette:
     """The ASGI app serving ``model`` (a loaded `QNNModelForCausalLM`) under ``name`` (default: ``model.name``, the
-    artifact folder's or Hub repo's name)."""
+    artifact folder's or Hub repo's name). ``max_body``: bytes of a request body (default `DEFAULT_MAX_BODY`, or
+    `IMAGE_MAX_BODY` for a `QNNModelForImageTextToText`, whose requests carry images)."""
+    if max_body is None:
+        max_body = IMAGE_MAX_BODY if getattr(model, "takes_images", False) else DEFAULT_MAX_BODY
     service = Service(model, tokenizer if tokenizer is not None else model.tokenizer(),
                       name=name or model.name, api_key=api_key, queue_size=queue_size, max_body=max_body)
 

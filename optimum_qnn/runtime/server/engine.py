@@ -37,6 +37,7 @@ class Job:
     ids: list[int]
     options: dict[str, Any]
     stop: list[str] = field(default_factory=list)
+    images: dict[str, Any] | None = None  # the prompt's images' processed inputs, encoded on the worker
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -125,6 +126,9 @@ class Engine:
             try:
                 speculative = getattr(self.model, "default_speculative", None)  # lookahead when exported for it
                 options = {**({"speculative": speculative} if speculative else {}), **job.options}
+                if job.images is not None:  # on the worker: the vision encoder runs where the decoder runs
+                    options["image_features"] = self.model.encode_images(job.images["pixel_values"],
+                                                                         job.images["image_position_ids"])
                 self.model.generate_tokens(job.ids, streamer=streamer, cancel=job.cancelled.is_set, reuse_cache=True,
                                     **options)
             except Exception as e:  # the worker outlives a failing backend; the server answers with the error

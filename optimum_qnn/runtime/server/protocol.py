@@ -1,12 +1,14 @@
 """The OpenAI API's request fields this server reads, their checks, and its error shape.
 
-Only what a static NPU graph can honour is accepted: one choice (``n`` = 1), text content, the sampling fields
+Only what a static NPU graph can honour is accepted: one choice (``n`` = 1), text content (and images, as ``data:`` URLs, on an image variant), the sampling fields
 (``temperature`` 0 is greedy), ``stop``, ``seed``, ``max_tokens`` / ``max_completion_tokens``. Anything else that is
 set to a value other than its default is refused by name rather than ignored.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -104,24 +106,58 @@ def parse(body: Any, *, chat: bool) -> Request:
     return Request(model, stream, bool(stream_options.get("include_usage")), max_tokens, options, stops)
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The ``messages`` of a chat request as role/content strings (text parts joined)."""
+def chat_messages(body: dict, images: bool = False) -> tuple[list[dict[str, str]], list[list[bytes]]]:
+    """The ``messages`` of a chat request as role/content strings (text parts joined), and each message's images
+    (``image_url`` parts of user messages, as ``data:`` URLs; ``images``: the server takes them)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-    out = []
+    out, pictures = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"messages[{i}] needs a role of system, developer, user or assistant", param="messages")
-        content = m.get("content")
+        content, found = m.get("content"), []
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind == "image_url" and images and m["role"] == "user":
+                    found.append(_image_bytes(part.get("image_url"), f"messages[{i}].content[{j}]"))
+                elif kind == "image_url":
+                    why = ("image parts go in user messages only" if m["role"] != "user" else
+                           "this server's variant takes no images: serve an image variant (exported with --task "
+                           "image-text-to-text) with `serve --images`")
+                    raise ApiError(400, f"messages[{i}]: {why}", param="messages")
+                else:
+                    raise ApiError(400, f"messages[{i}]: only text and image_url content parts are supported",
+                                   param="messages")
+            content = "".join(texts)
         if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts", param="messages")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return out
+        pictures.append(found)
+    return out, pictures
+
+
+def _image_bytes(image_url: Any, where: str) -> bytes:
+    """The bytes of an ``image_url`` part's ``data:`` URL; any other URL is refused (the server fetches nothing)."""
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise ApiError(400, f"{where}: image_url needs a url", param="messages")
+    if not url.startswith("data:"):
+        raise ApiError(400, f"{where}: only data: URLs are read (this server fetches nothing from the network); send "
+                       "the image inline, e.g. data:image/png;base64,...", param="messages", code="invalid_image_url")
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64") or not payload:
+        raise ApiError(400, f"{where}: a data: URL of an image is base64 (data:image/png;base64,...)",
+                       param="messages", code="invalid_image_url")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{where}: the data: URL's base64 does not decode", param="messages",
+                       code="invalid_image_url") from None
 
 
 def completion_prompt(body: dict) -> str:
