@@ -178,9 +178,9 @@ def test_run_with_an_image_prints_the_greedy_text_of_the_image_before_the_prompt
     assert stats.startswith(f"[{len(ids)} prompt + {len(want)} new tokens")
 
 
-def test_with_chat_the_images_open_the_users_turn(image_export, hf_model):
-    """``chat=True``: the template's ids with the images' blocks where the user's text begins (two images, in order),
-    and the continuation Hugging Face's greedy one of those ids (one image: two take 149 of the context's 128)."""
+def test_with_chat_the_images_open_the_users_turn(image_export):
+    """``chat=True``: the template's ids with the images' blocks where the user's text begins (two images, in order;
+    the conversation test below generates from such a prompt against Hugging Face)."""
     from optimum_qnn.runtime.images import QNNModelForImageTextToText
 
     model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
@@ -195,10 +195,6 @@ def test_with_chat_the_images_open_the_users_turn(image_export, hf_model):
     blocks = [t for n in counts for t in (BOI_ID, *[IMAGE_ID] * n, EOI_ID)]
     assert ids == [*before, *blocks, *rest]
     assert opening.endswith("user\n")
-    ids = model.image_prompt_ids(tok, PROMPT, counts[:1], chat=True)
-    want = hf_greedy(hf_model, np.array([ids]), inputs["pixel_values"][:1], inputs["image_position_ids"][:1], 6)
-    text = model.image_text_generation(tok, PROMPT, photos[:1], chat=True, max_new_tokens=6, eos_token_id=[])
-    assert text == tok.decode(want, skip_special_tokens=True)
 
 
 def test_a_conversation_keeps_its_images_reuses_their_cache_and_drops_them_with_their_turns(image_export, hf_model):
@@ -248,7 +244,7 @@ def test_the_terminal_chat_takes_images_with_slash_image(image_export, tmp_path)
     photo_like(640, 480, seed=0).save(photo)
     model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
     model.clear_cache()
-    chat = model.chat(max_new_tokens=3)
+    chat = model.chat(max_new_tokens=1)
     out = io.StringIO()
     lines = f"/image {tmp_path / 'missing.png'}\n/image {photo}\n{PROMPT}\n/exit\n"
     assert repl.run(chat, stdin=io.StringIO(lines), out=out) == 0
