@@ -86,7 +86,14 @@ def test_executorch_runner_generates_the_host_tokens(which, request, demo_model_
         want = host.generate(prompt, max_new_tokens=24, eos_token_id=stops)
         print(f"{which} prompt {len(prompt)}: equal={got.tolist() == want.tolist()}, {model.stats.stopped_by}, "
               f"decode {model.stats.decode_tokens_per_s:.1f} tok/s")
-        assert got.tolist() == want.tolist(), model.backend.report.text
+        if got.tolist() != want.tolist():
+            # The runner prints text, not ids: its ids are that text encoded again (runtime/backends/runner.py). Where
+            # the host's greedy ids are not the tokenizer's own encoding of their text (the portable demo model's
+            # second prompt ends in 202 202, which encodes as 459), the ids may differ; the text may not.
+            new_got, new_want = got[0, len(prompt):].tolist(), want[0, len(prompt):].tolist()
+            text = tok.decode(new_want)
+            assert tok.decode(new_got) == text, model.backend.report.text
+            assert tok(text, add_special_tokens=False)["input_ids"] != new_want
 
 
 def _prompts(tok) -> list[list[int]]:
