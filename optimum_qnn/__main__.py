@@ -150,9 +150,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             print("error: --image goes with --prompt (the images' placeholders are placed in its tokens); --prompt-ids "
                   "are used as they are", file=sys.stderr)
             return 2
-        missing = [path for path in args.image or () if not Path(path).is_file()]
-        if missing:  # before the variant is loaded
-            print(f"error: no such image file: {', '.join(missing)}", file=sys.stderr)
+        if _missing_images(args.image):  # before the variant is loaded
             return 2
         configure_logging(args.verbose)
         try:
@@ -231,6 +229,14 @@ def _add_speculative_choice(parser: argparse.ArgumentParser) -> None:
                         "artifact's variant with an assistant, else with lookahead, else the plain one)")
 
 
+def _missing_images(paths: Sequence[str] | None) -> bool:
+    """Whether an ``--image`` file does not exist (said on stderr)."""
+    missing = [path for path in paths or () if not Path(path).is_file()]
+    if missing:
+        print(f"error: no such image file: {', '.join(missing)}", file=sys.stderr)
+    return bool(missing)
+
+
 def _load_variant(args: argparse.Namespace, speculative: str | None = None, fastest: bool = False,
                   images: bool = False):
     """The variant the arguments select; one without the ``speculative`` decoding asked for is refused first.
@@ -273,9 +279,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         from optimum_qnn.console import configure_logging, third_party_quiet
         from optimum_qnn.errors import OptimumQnnError
 
-        missing = [path for path in args.image or () if not Path(path).is_file()]
-        if missing:  # before the variant is loaded
-            print(f"error: no such image file: {', '.join(missing)}", file=sys.stderr)
+        if _missing_images(args.image):  # before the variant is loaded
             return 2
         configure_logging(args.verbose)
         try:

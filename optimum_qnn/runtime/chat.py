@@ -153,8 +153,6 @@ class ChatSession:
         # The template writes the special tokens (<bos>, the turn markers) as text, so nothing is added here (what
         # apply_chat_template(tokenize=True) does too).
         counts = [len(rows) for t in turns for rows in t.get(_IMAGES, ())]
-        if not counts:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return encode_marked(self.tokenizer, text, counts, self.model.manifest.contract.images)
 
     def _prompt(self, turns: list[dict[str, str]], max_new_tokens: int):

@@ -135,7 +135,7 @@ class Service:
 
     def _ids(self, body: dict, chat: bool) -> tuple[list[int], dict[str, Any] | None]:
         """The prompt's ids, and its images' processed inputs (None without images)."""
-        pictures = None
+        pictures, counts = None, []
         if chat:
             messages, images = chat_messages(body, self.takes_images)
             if not getattr(self.tokenizer, "chat_template", None):
@@ -149,10 +149,7 @@ class Service:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # the template's own refusal (e.g. roles that do not alternate)
                 raise ApiError(400, f"The chat template refused these messages: {e}", param="messages") from None
-            if pictures is None:
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                ids = encode_marked(self.tokenizer, text, counts, self.model.manifest.contract.images)
+            ids = encode_marked(self.tokenizer, text, counts, self.model.manifest.contract.images)
         else:
             ids = self.tokenizer(completion_prompt(body), add_special_tokens=True)["input_ids"]
         if self.limits.room(len(ids)) < 1:
