@@ -21,6 +21,7 @@ _LAZY = {
     # The runtime imports torch (0.9 s measured): loaded on first use, so `optimum-cli --help` stays fast.
     "QNNModelForCausalLM": "optimum_qnn.runtime.modeling",
     "QNNModelForImageTextToText": "optimum_qnn.runtime.images",
+    "QNNProcessor": "optimum_qnn.runtime.transformers_api.processor",
     "export": "optimum_qnn.exporter.pipeline",
 }
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from optimum_qnn.exporter.pipeline import export
     from optimum_qnn.runtime.images import QNNModelForImageTextToText
     from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+    from optimum_qnn.runtime.transformers_api.processor import QNNProcessor
     from optimum_qnn.models.gemma4.modeling import StaticCausalLM
     from optimum_qnn.sdk import ensure_qnn_sdk
 

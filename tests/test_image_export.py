@@ -197,6 +197,41 @@ def test_with_chat_the_images_open_the_users_turn(image_export):
     assert opening.endswith("user\n")
 
 
+def test_the_processor_and_pipeline_give_the_models_ids_and_hugging_faces_greedy_text(image_export, hf_model):
+    """`QNNProcessor` (transformers' processor cannot load here: its video processor needs torchvision): an image
+    token in the text becomes the image's block, a chat message's image part opens its text as `chat` places it, and
+    ``pipeline("image-text-to-text")`` gives Hugging Face's greedy text for the same ids and pixels, plain and chat."""
+    from transformers import pipeline
+
+    from optimum_qnn import QNNModelForImageTextToText, QNNProcessor
+
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:onnxruntime")
+    processor = QNNProcessor(model)
+    tok = processor.tokenizer
+    photo = photo_like(640, 480, seed=0)
+    expected = model.image_inputs([photo])
+    n = int(expected["num_soft_tokens_per_image"][0])
+    inputs = processor(images=photo, text=f"{processor.image_token}{PROMPT}", return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == model.image_prompt_ids(tok, PROMPT, [n])
+    assert np.array_equal(inputs["pixel_values"].numpy(), expected["pixel_values"])
+    messages = [{"role": "user", "content": [{"type": "image", "image": photo}, {"type": "text", "text": PROMPT}]}]
+    chat = processor.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    assert chat["input_ids"][0].tolist() == model.image_prompt_ids(tok, PROMPT, [n], chat=True)
+    with pytest.raises(InvalidInputError, match="1 image tokens .* and 2 images"):
+        processor(images=[photo, photo], text=f"{processor.image_token}{PROMPT}")
+
+    pipe = pipeline("image-text-to-text", model=model, processor=processor)
+    for prompt, args in ((inputs, dict(images=photo, text=f"{processor.image_token}{PROMPT}")),
+                         (chat, dict(text=messages))):
+        ids = np.asarray(prompt["input_ids"])
+        want = tok.decode(hf_greedy(hf_model, ids, expected["pixel_values"], expected["image_position_ids"], 6),
+                          skip_special_tokens=True)
+        (out,) = pipe(**args, max_new_tokens=6, generate_kwargs={"do_sample": False, "eos_token_id": []},
+                      return_full_text=False)
+        print(f"pipeline: {out['generated_text']!r}; Hugging Face: {want!r}")
+        assert out["generated_text"] == want
+
+
 def test_a_conversation_keeps_its_images_reuses_their_cache_and_drops_them_with_their_turns(image_export, hf_model):
     """`chat().send(text, images=...)`: the image opens its turn; a later text turn reuses everything read before it
     (the image's K/V too) and gives Hugging Face's greedy reply to the whole conversation with the image's pixels;

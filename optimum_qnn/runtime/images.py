@@ -33,10 +33,9 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
     Example:
 
     ```python
-    >>> from transformers import AutoProcessor
-    >>> processor = AutoProcessor.from_pretrained("out/")
     >>> model = QNNModelForImageTextToText.from_pretrained("out/", soc="SM8650", quant="fp16")
-    >>> inputs = processor(text="<start_of_image> What is this?", images=[image], return_tensors="np")
+    >>> processor = QNNProcessor(model)
+    >>> inputs = processor(text="<|image|>What is this?", images=[image], return_tensors="np")
     >>> out = model.generate(**inputs, max_new_tokens=32)
     ```
     """
