@@ -133,11 +133,7 @@ class ChatSession:
         if not getattr(self.model, "takes_images", False):
             raise InvalidInputError("This variant takes no images: load an image variant (export --task "
                                     "image-text-to-text) with QNNModelForImageTextToText, or `chat --image`")
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        inputs = self.model.image_inputs(images)
-        rows = self.model.encode_images(inputs["pixel_values"], inputs["image_position_ids"])
-        ends = np.cumsum(inputs["num_soft_tokens_per_image"])
-        return [rows[end - n: end] for n, end in zip(inputs["num_soft_tokens_per_image"], ends)]
+        return self.model.encode_each(images)
 
     # --- the conversation as tokens ---------------------------------------------------------------------------
 

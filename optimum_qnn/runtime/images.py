@@ -105,6 +105,14 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
             rows.append(out[0, : inputs.num_soft_tokens].astype(np.float32))
         return np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
 
+    def encode_each(self, images: Any) -> list[np.ndarray]:
+        """Each image's soft tokens (``[its soft tokens, hidden]`` float32), in order: ``images`` (paths, bytes or PIL
+        images) processed here and run through the program's vision encoder."""
+        inputs = self.image_inputs(list(images) if isinstance(images, (list, tuple)) else [images])
+        rows = self.encode_images(inputs["pixel_values"], inputs["image_position_ids"])
+        ends = np.cumsum(inputs["num_soft_tokens_per_image"])
+        return [rows[end - n: end] for n, end in zip(inputs["num_soft_tokens_per_image"], ends)]
+
     def image_inputs(self, images: Any) -> dict[str, np.ndarray]:
         """``pixel_values`` and ``image_position_ids`` of ``images`` (paths, bytes or PIL images), processed here in
         numpy as Hugging Face's processor would at this variant's budget, and each image's soft-token count."""
@@ -121,11 +129,10 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
             raise InvalidInputError(f"prompt must be a string; got {type(prompt).__name__}")
         if not images:
             raise InvalidInputError("image_text_generation needs at least one image (text alone: text_generation)")
-        inputs = self.image_inputs(images)
-        features = self.encode_images(inputs["pixel_values"], inputs["image_position_ids"])
-        ids = self.image_prompt_ids(tokenizer, prompt, inputs["num_soft_tokens_per_image"].tolist(), chat=chat)
+        each = self.encode_each(images)
+        ids = self.image_prompt_ids(tokenizer, prompt, [len(rows) for rows in each], chat=chat)
         kwargs.setdefault("eos_token_id", text_stop_ids(self.manifest.tokenizer.eos_ids, tokenizer, chat))
-        out = self.generate_tokens(ids, image_features=features, **kwargs)
+        out = self.generate_tokens(ids, image_features=np.concatenate(each), **kwargs)
         return tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
     def image_prompt_ids(self, tokenizer, prompt: str, soft_tokens: Sequence[int], *, chat: bool = False) -> list[int]:
