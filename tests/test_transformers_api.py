@@ -104,6 +104,23 @@ def test_streamers_text_equals_the_output(fp16_model, tok, capsys):
     assert text == tok.decode(result["out"][0, inputs["input_ids"].shape[1]:]) and text.strip()
 
 
+def test_calls_from_several_threads_take_turns(fp16_model, tok):
+    """Three threads generating at once each get the ids one thread alone gets (interleaved calls would read each
+    other's K/V)."""
+    inputs = tok(BATCH, return_tensors="pt", padding=True)
+    rows = [{k: v[i: i + 1][:, v.shape[1] - int(inputs["attention_mask"][i].sum()):] for k, v in inputs.items()}
+            for i in range(2)]
+    alone = [fp16_model.generate(**row, max_new_tokens=12, do_sample=False).tolist() for row in rows]
+    got: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda i=i: got.update({i: fp16_model.generate(
+        **rows[i % 2], max_new_tokens=12, do_sample=False).tolist()})) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(3)] == [alone[0], alone[1], alone[0]]
+
+
 def test_pipeline_outputs_equal_generate_decoded(fp16_model, tok, caplog):
     from transformers import pipeline
 

@@ -101,7 +101,8 @@ class QNNModelForImageTextToText(QNNModelForCausalLM):
         rows = []
         for pv, pos in zip(pixels, positions):
             inputs = encoder_inputs(pv, pos, self.geometry)
-            out = np.asarray(as_numpy(method(list(inputs.as_tuple()))[0]))
+            with self.backend.lock:  # the program's calls take turns (`backends.host`)
+                out = np.asarray(as_numpy(method(list(inputs.as_tuple()))[0]))
             rows.append(out[0, : inputs.num_soft_tokens].astype(np.float32))
         return np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)
 

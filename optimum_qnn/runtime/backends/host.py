@@ -7,11 +7,15 @@ The caches outlive a call: ``held`` lists the tokens whose K/V they hold, and a 
 whose prompt begins with some of them keeps those slots and prefills only the rest (a conversation's next turn, or
 a client that sends the whole history each time). The match may end anywhere, also inside what one prefill call
 wrote: `KVSession.truncate` forgets the slots after it.
+
+One call at a time: the caches, ``held`` and the programs' IO buffers are the backend's own, so calls from several
+threads take turns on ``lock`` (interleaved, they would read each other's K/V and give wrong tokens silently).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,11 +57,13 @@ class InProcessBackend:
         self.held: list[int] = []  # the tokens whose K/V the caches hold, slots [0, len(held))
         self.lookahead = lookahead_of(manifest)
         self.assistant = assistant_of(manifest)
+        self.lock = threading.RLock()  # one generation (or image encoding) at a time: see the module's docstring
 
     def clear_cache(self) -> None:
         """Forget what the caches hold: the next call prefills its whole prompt even with ``reuse_cache=True``."""
-        self.held = []
-        self.session.reset()
+        with self.lock:
+            self.held = []
+            self.session.reset()
 
     def generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
                  streamer: Any, *, reuse_cache: bool = False, cancel: Any = None,
@@ -71,6 +77,13 @@ class InProcessBackend:
         ``prompt`` (an image variant's; ``prompt`` holds the pad id at their places); a soft token matches a held one
         only if its embedding is the same, so a conversation's later turns reuse an image's K/V.
         """
+        with self.lock:
+            return self._generate(prompt, max_new_tokens, sampling, eos_token_id, streamer, reuse_cache=reuse_cache,
+                                  cancel=cancel, speculative=speculative, images=images)
+
+    def _generate(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling, eos_token_id: Any,
+                  streamer: Any, *, reuse_cache: bool, cancel: Any, speculative: str | None,
+                  images: SoftTokens | None) -> list[int]:
         session = self.session
         capacity = session.capacity
         if prompt.size > capacity:
