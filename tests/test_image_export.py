@@ -1,8 +1,9 @@
 """An image variant end to end: `export --task image-text-to-text` (fp16, SM8650, 70 soft tokens an image) of a
 multimodal Gemma 4 made of the demo model's decoder and a small random vision tower, run on the x86 HTP emulator
 through both host backends against Hugging Face's `Gemma4ForConditionalGeneration` in fp32: the same greedy ids for
-an image prompt, the text variant's ids for a text prompt, a later turn that reuses the image's K/V, and the
-refusals (a text variant, a checkpoint without a tower, the runner, audio)."""
+an image prompt, the text variant's ids for a text prompt, a later turn that reuses the image's K/V, the processor
+and pipeline, the runtime install, and the refusals (a text variant, a checkpoint without a tower, the runner,
+audio)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from optimum_qnn.artifacts.variants import VariantNotFoundError
 from optimum_qnn.errors import InvalidInputError, UnsupportedModelError
 from tests.conftest import built_once, run_main
 from tests.test_images import photo_like
+from tests.test_runtime_venv import NO_FULL_STACK, _venv_env, runtime_venv  # noqa: F401  (the venv fixture, shared)
 
 # Placeholder ids inside the demo tokenizer's 512: ordinary tokens the test prompts never hold.
 IMAGE_ID, BOI_ID, EOI_ID = 511, 510, 509
@@ -123,6 +125,38 @@ def test_an_image_prompt_gives_hugging_faces_greedy_ids(image_export, hf_model, 
         want = hf_model.generate(input_ids=torch.from_numpy(text), max_new_tokens=8, do_sample=False,
                                  eos_token_id=None)[0, text.shape[1]:].tolist()
     assert model.generate(input_ids=text, max_new_tokens=8, eos_token_id=[])[0, text.shape[1]:].tolist() == want
+
+
+_VENV_SCRIPT = NO_FULL_STACK + r"""
+import json, sys
+from optimum_qnn import QNNModelForImageTextToText
+args = json.loads(sys.argv[1])
+model = QNNModelForImageTextToText.from_pretrained(args["folder"])
+text = model.image_text_generation(model.tokenizer(), args["prompt"], [args["photo"]], max_new_tokens=8,
+                                   eos_token_id=[])
+print("RESULT " + json.dumps({"text": text, "device": model.device_name, "new": model.stats.new_tokens}))
+"""
+
+
+def test_the_runtime_install_runs_an_image_prompt(image_export, runtime_venv, tmp_path):
+    """The runtime install (no torch, transformers or ExecuTorch: onnxruntime-qnn, numpy, Pillow) reads an image file
+    and gives the full install's text for it."""
+    import subprocess
+
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+
+    photo = tmp_path / "photo.png"
+    photo_like(300, 200, seed=2).save(photo)
+    args = {"folder": str(image_export), "prompt": PROMPT, "photo": str(photo)}
+    proc = subprocess.run([str(runtime_venv), "-c", _VENV_SCRIPT, json.dumps(args)], capture_output=True, text=True,
+                          timeout=600, env=_venv_env(), cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    model = QNNModelForImageTextToText.from_pretrained(image_export, device="host:executorch")
+    want = model.image_text_generation(model.tokenizer(), PROMPT, [photo], max_new_tokens=8, eos_token_id=[])
+    print(f"runtime install: {got}; full install (ExecuTorch): {want!r}")
+    assert got == {"text": want, "device": "host:onnxruntime", "new": 8}
 
 
 def test_a_later_turn_reuses_the_images_cache(image_export):
