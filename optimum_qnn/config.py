@@ -382,9 +382,6 @@ class ExportConfig:
                                     f"needs --mode hybrid, not --mode {self.mode.value}")
         if self.draft_len is not None:
             raise InvalidInputError("--task image-text-to-text with --assistant is not built yet: drop one of them")
-        if self.quant.is_quantized:
-            raise InvalidInputError(f"--task image-text-to-text is built for --quant fp16 so far (the vision encoder's "
-                                    f"and the soft tokens' calibration are not): --quant {self.quant.value} is refused")
 
     def _check_lookahead(self) -> None:
         """`lookahead` is set exactly in lookahead mode, its AR fits the context, and the ring layout is refused."""

@@ -194,15 +194,16 @@ class RunnerContract:
     ) -> "RunnerContract":
         """Derive every method's IO from the layer layout. ``ar_lens`` maps method name -> tokens per call;
         ``hidden_size``: every method also outputs ``hidden`` [1, ar, hidden_size], last (variants with an assistant);
-        ``block_len``: slots per cache block, for (and only for) the blocks layout; ``image_size``: the prefill method
-        also takes soft tokens of that width, last (`IMAGE_INPUTS`: an image variant)."""
+        ``block_len``: slots per cache block, for (and only for) the blocks layout; ``image_size``: every method also
+        takes soft tokens of that width, last (`IMAGE_INPUTS`: an image variant; the host sends them through prefill,
+        decode gets zeros, and takes them so its graph is the prefill's op for op)."""
         ring = check_ring(cache_layout, layers, context_len, sliding_window)
         check_block_len(cache_layout, block_len)
         if image_size is not None and PREFILL_METHOD not in ar_lens:
             raise ValueError("soft tokens (an image's embeddings) enter through the prefill method; this contract has none")
         methods = tuple(
             _method_spec(name, ar, layers, vocab_size, context_len, ring, hidden_size, block_len,
-                         image_size if name == PREFILL_METHOD else None)
+                         image_size)
             for name, ar in ar_lens.items()
         )
         check_same_blocks(context_len, ar_lens, block_len)

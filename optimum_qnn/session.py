@@ -315,11 +315,13 @@ class KVSession:
                                     f"{images.embeds.shape} and {images.mask.shape}")
         return int(np.flatnonzero(images.mask)[-1])
 
-    def feed_method(self, method: str, ids: Any) -> Any:
-        """Append ``ids`` through one method only, in calls of its ar_len (the last one padded)."""
+    def feed_method(self, method: str, ids: Any, images: "SoftTokens | None" = None) -> Any:
+        """Append ``ids`` through one method only, in calls of its ar_len (the last one padded); ``images``: soft
+        tokens among them (`feed`), for a method that takes them."""
         given, ids = ids, self._check(ids, self.contract.context_len)  # each call checks its own cache room
         spec = self.contract.method(method)
-        logits = [self._call(spec, ids[start : start + spec.ar_len]) for start in range(0, ids.size, spec.ar_len)]
+        logits = [self._call(spec, ids[start : start + spec.ar_len], images and images.rows(start, start + spec.ar_len))
+                  for start in range(0, ids.size, spec.ar_len)]
         return _joined(given, logits)
 
 

@@ -386,7 +386,7 @@ def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, m
     import argparse
 
     from optimum_qnn.cli import add_export_arguments, config_from_args
-    from optimum_qnn.config import ExportConfig, QuantScheme
+    from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme
     from optimum_qnn.exporter.preflight import preflight
     from optimum_qnn.runtime.backends.runner import check_runner_layout
     from optimum_qnn.runtime.images import QNNModelForImageTextToText
@@ -400,8 +400,8 @@ def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, m
         parser = argparse.ArgumentParser()
         add_export_arguments(parser)
         config_from_args(parser.parse_args(["-m", "x", "-o", "y", "--task", "audio-text-to-text"]))
-    with pytest.raises(InvalidInputError, match="built for --quant fp16 so far"):
-        ExportConfig(quant=QuantScheme.A16W8, image_tokens=SOFT)
+    with pytest.raises(InvalidInputError, match="needs --mode hybrid, not --mode kv"):
+        ExportConfig(quant=QuantScheme.A16W8, image_tokens=SOFT, mode=ExportMode.KV)
     with pytest.raises(InvalidInputError, match="--image-tokens must be one of"):
         ExportConfig(quant=QuantScheme.FP16, image_tokens=100)
     with pytest.raises(UnsupportedModelError, match="no vision tower"):

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ class VisionExport:
     encoder: torch.nn.Module
     method: MethodSpec
     info: ImagesInfo
+    geometry: Any  # `images.ImageGeometry`: the budget and the patch and pooling sizes
 
     @classmethod
     def load(cls, folder: Path, soft_tokens: int, pad_token_id: int | None) -> "VisionExport":
@@ -69,7 +71,7 @@ class VisionExport:
                           **{name: int(value) for name, value in ids.items()})
         logger.info("Vision encoder: %d soft tokens an image (%d patches), %d tensors read", soft_tokens,
                     geometry.max_patches, len(report.read))
-        return cls(encoder, method, info)
+        return cls(encoder, method, info, geometry)
 
     def export(self) -> tuple[tuple[torch.Tensor, ...], torch.export.ExportedProgram]:
         """The example inputs and the exported graph of the encoder (static shapes)."""

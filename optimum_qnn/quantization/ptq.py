@@ -67,7 +67,7 @@ def _feed(session: KVSession, method: str, seqs: list[list[int]], desc: str | No
 
 def quantize_static(
     static, programs, config: ExportConfig, tokenizer, texts: list[str],
-    stage: Callable[[str], ContextManager] = contextlib.nullcontext,
+    stage: Callable[[str], ContextManager] = contextlib.nullcontext, vision=None,
 ):
     """Quantize the exported graphs of `static` (one per method) with shared quantization parameters.
 
@@ -76,6 +76,9 @@ def quantize_static(
     by output error (`weight_search`); with `config.weight_rounding` = gptq, the 4-bit weights are rounded by GPTQ
     on those scales (`gptq`). All are measured on the eager float module before PT2E (GPTQ's rounding itself runs
     on the calibrated graphs).
+
+    With ``vision`` (an image variant's `VisionExport`), the prefill is calibrated on image prompts too
+    (`image_calibration`): one per built-in calibration image, its soft tokens from the float encoder.
 
     Returns:
         (method name -> converted graph, the quantization summary rows, the MixedPlan or None).
@@ -98,9 +101,21 @@ def quantize_static(
         overrides.update((p, s) for p, s in mixed_plan.overrides() if p not in overrides)  # the user's win
     quantizer = make_quantizer(config.quant, block_size=config.block_size, soc=config.socs[0], overrides=overrides or None)
 
+    with_images = []
+    if vision is not None:
+        from optimum_qnn.quantization.image_calibration import image_samples, synthetic_images
+
+        with stage("image samples"):
+            with_images = image_samples(vision, seqs, synthetic_images(), static.text_config.bos_token_id,
+                                        contract.context_len)
+
     def calibrate(prepared: torch.nn.Module) -> None:
         spec = contract.method(calibrate_on)
-        _feed(KVSession(contract, {spec.name: torch_method(prepared)}), calibrate_on, seqs, "Calibrating")
+        session = KVSession(contract, {spec.name: torch_method(prepared)})
+        _feed(session, calibrate_on, seqs, "Calibrating")
+        for ids, soft in bar(with_images, "Calibrating on images", "sample", enabled=bool(with_images)):
+            session.reset()
+            session.feed_method(spec.name, torch.tensor(ids), soft)
         if clips:
             from optimum_qnn.quantization.weight_search import apply_clips
 

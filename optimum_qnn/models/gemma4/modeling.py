@@ -60,8 +60,9 @@ class StaticCausalLM:
                 gets no window band: the host's tree mask applies the window by position.
             block_len: with ``CacheLayout.BLOCKS``, the slots per cache block (the exporter chooses it from the
                 target's VTCM, `exporter.htp_limits.block_len_for`).
-            image_inputs: the prefill method also takes soft tokens, an image's embeddings (`contract.IMAGE_INPUTS`),
-                merged as `Gemma4ForConditionalGeneration` merges them; needs ``ar_len`` above 1.
+            image_inputs: the methods also take soft tokens, an image's embeddings (`contract.IMAGE_INPUTS`),
+                merged as `Gemma4ForConditionalGeneration` merges them; the prefill reads them (needs ``ar_len`` above
+                1), decode gets zeros.
 
         Returns:
             The static model; ``.contract`` describes the IO of its methods.
@@ -99,7 +100,7 @@ class StaticCausalLM:
         options = StaticOptions(max_context_len=max_context_len, quantized=quantized,
                                 ar_lens=tuple(ar for ar in ar_lens.values() if decode_ar_len == 1 or ar != decode_ar_len),
                                 ring_len=ring, hidden_output=hidden_output, block_len=block_len,
-                                image_ar_len=ar_len if image_inputs else None)
+                                image_inputs=image_inputs)
         module, report = apply_swaps(hf_model, SWAPS, options)
         module.eval()
         check_adoption(hf_model, module)

@@ -62,10 +62,11 @@ class StaticOptions:
     # Also return the final hidden state (after the norm): what an MTP drafter beside the target reads
     # (docs/assistant.md). Only variants built with an assistant have it, so the runner contract stays as it was.
     hidden_output: bool = False
-    # The tokens per call of the method (prefill) that also takes soft tokens (an image's embeddings,
-    # `contract.IMAGE_INPUTS`), merged into the token embeddings where ``image_mask`` is 1 as Gemma4Model merges an
-    # image's features; None: text only.
-    image_ar_len: int | None = None
+    # Every method also takes soft tokens (an image's embeddings, `contract.IMAGE_INPUTS`), merged into the token
+    # embeddings where ``image_mask`` is 1 as Gemma4Model merges an image's features. The prefill reads them; decode
+    # gets zeros, and takes them so that its graph is the prefill's op for op, which the quantization's shared
+    # observers need (`quantization.shared.copy_observer_state` pairs the two graphs' observers by node name).
+    image_inputs: bool = False
 
 
 class StaticRMSNorm(nn.Module):
@@ -374,8 +375,8 @@ class StaticGemma4ForCausalLM(nn.Module):
         ring = ctx.options.ring_len is not None
         self.blocked = [self.block_len is not None and not (ring and spec.attention is AttentionKind.SLIDING)
                         for spec in self.model.layer_specs if spec.owns_cache]
-        # The call that takes the soft-token inputs, last (`contract.IMAGE_INPUTS`): prefill's.
-        self.image_ar = ctx.options.image_ar_len
+        # Every call takes the soft-token inputs, last (`contract.IMAGE_INPUTS`), in an image variant.
+        self.image_inputs = ctx.options.image_inputs
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -390,7 +391,7 @@ class StaticGemma4ForCausalLM(nn.Module):
         *caches: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         images: tuple[torch.Tensor, ...] = ()
-        if tokens.shape[1] == self.image_ar:
+        if self.image_inputs:
             caches, images = caches[:-2], caches[-2:]
         k_caches, v_caches = self._grouped(caches, tokens.shape[1])
         h, k_new, v_new = self.model(tokens, atten_mask, sliding_atten_mask, input_pos, k_caches, v_caches, *images)

@@ -71,14 +71,21 @@ def test_a_text_prompt_on_the_image_graph_is_the_text_graphs(model):
     assert np.array_equal(np.asarray(both.feed(ids)), np.asarray(text))
 
 
-def test_only_the_prefill_method_takes_soft_tokens(model):
+def test_every_method_takes_soft_tokens_so_prefill_and_decode_are_one_graph(model):
+    """Decode takes the soft tokens too (the host gives it zeros): its graph is then prefill's op for op, which the
+    shared quantization of an image variant needs (tests/test_image_quant.py)."""
     static = StaticCausalLM.from_hf(model, max_context_len=CONTEXT, ar_len=AR, image_inputs=True)
     prefill, decode = static.contract.method(PREFILL_METHOD), static.contract.method(DECODE_METHOD)
     hidden = model.config.get_text_config().hidden_size
-    assert [(t.name, t.shape) for t in prefill.inputs[-2:]] == [(IMAGE_INPUTS[0], (1, AR, hidden)), (IMAGE_INPUTS[1], (1, AR, 1))]
-    assert prefill.takes_images and not decode.takes_images
-    outputs = static.module(*static.example_inputs(PREFILL_METHOD))
-    assert [tuple(t.shape) for t in outputs] == [t.shape for t in prefill.outputs]
+    for spec, ar in ((prefill, AR), (decode, 1)):
+        assert [(t.name, t.shape) for t in spec.inputs[-2:]] == [(IMAGE_INPUTS[0], (1, ar, hidden)),
+                                                                 (IMAGE_INPUTS[1], (1, ar, 1))]
+        assert spec.takes_images
+        outputs = static.module(*static.example_inputs(spec.name))
+        assert [tuple(t.shape) for t in outputs] == [t.shape for t in spec.outputs]
+    ops = {name: [str(n.target) for n in static.export(name).graph.nodes if n.op == "call_function"]
+           for name in (PREFILL_METHOD, DECODE_METHOD)}
+    assert ops[PREFILL_METHOD] == ops[DECODE_METHOD]
     with pytest.raises(InvalidInputError, match="ar_len > 1"):
         StaticCausalLM.from_hf(model, max_context_len=CONTEXT, ar_len=None, image_inputs=True)
 
