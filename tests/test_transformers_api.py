@@ -22,6 +22,14 @@ BATCH = ["The for statement", "Assignment statements are used to bind"]
 
 
 @pytest.fixture(scope="module")
+def fp16_model(fp16_export):
+    """This file's own load of the session's fp16 export (the tests here set generation options and caches on it)."""
+    from optimum_qnn.runtime.modeling import QNNModelForCausalLM
+
+    return QNNModelForCausalLM.from_pretrained(fp16_export.output, soc="SM8650", quant="fp16")
+
+
+@pytest.fixture(scope="module")
 def tok(fp16_export):
     from transformers import AutoTokenizer
 
