@@ -1,11 +1,11 @@
 """A quantized image variant (``--task image-text-to-text --quant 16a8w``): the decoder quantized with its prefill
-calibrated on image prompts too (soft tokens from the float encoder, `quantization.image_calibration`), the vision
-encoder kept float and compiled at HTP fp16, on the x86 HTP emulator against Hugging Face's fp32
+calibrated on image prompts too (photographs, soft tokens from the float encoder, `quantization.image_calibration`),
+the vision encoder kept float and compiled at HTP fp16, on the x86 HTP emulator against Hugging Face's fp32
 `Gemma4ForConditionalGeneration` (the multimodal checkpoint of tests/test_image_export.py).
 
-Quantized logits are not fp32's, so the check is their signal-to-quantization-noise ratio at the last prompt position:
-an image prompt's must be about a text prompt's on the same variant (the soft tokens' path is calibrated like the
-text's), and the greedy ids of both must start as Hugging Face's.
+Quantized logits are not fp32's, so the check is their signal-to-quantization-noise ratio at the last prompt position,
+on photographs the calibration did not see: an image prompt's must be about a text prompt's on the same variant (the
+soft tokens' path is calibrated like the text's), and the greedy ids of both must start as Hugging Face's.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from optimum_qnn.quantization.image_calibration import CALIBRATION_PHOTOS, photos_folder
 from tests.conftest import built_once
 from tests.test_image_export import BOI_ID, EOI_ID, IMAGE_ID, hf_model, multimodal_dir  # noqa: F401  (fixtures)
-from tests.test_images import photo_like
 
 CTX, AR, SOFT = 128, 16, 70
 TEXTS = ["The for statement", "Assignment statements are used to", "A list of numbers", "if x:"]
-SIZES = [(640, 480), (91, 300), (300, 200), (500, 500)]
+# Held-out photographs of scikit-image's data folder (the export calibrates on CALIBRATION_PHOTOS): the cat too.
+HELD_OUT = ("chelsea.png", "hubble_deep_field.jpg", "grass.png", "retina.jpg")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,11 @@ def test_the_decoder_is_quantized_and_the_encoder_and_soft_tokens_stay_float(qua
     assert encoder_out.dtype == "float32"
 
 
+def test_the_checks_photographs_are_held_out():
+    assert not set(HELD_OUT) & set(CALIBRATION_PHOTOS)
+    assert all((photos_folder() / name).is_file() for name in HELD_OUT + CALIBRATION_PHOTOS)
+
+
 def _sqnr(ref: np.ndarray, got: np.ndarray) -> float:
     ref, got = ref.astype(np.float64), got.astype(np.float64)
     return float(10 * np.log10((ref ** 2).sum() / ((ref - got) ** 2).sum()))
@@ -65,7 +71,7 @@ def test_image_prompts_are_as_close_to_hugging_face_as_text_prompts(quant_image_
     sqnr: dict[str, list[float]] = {"image": [], "text": []}
     first_ids: dict[str, list[bool]] = {"image": [], "text": []}
     for i, text in enumerate(TEXTS):
-        inputs = model.image_inputs([photo_like(*SIZES[i], seed=i)])
+        inputs = model.image_inputs([photos_folder() / HELD_OUT[i]])
         n = int(inputs["num_soft_tokens_per_image"][0])
         words = tok(text, add_special_tokens=False)["input_ids"]
         for kind in ("image", "text"):

@@ -6,44 +6,48 @@ soft tokens' placeholders, EOI) after BOS, the soft tokens computed by the float
 (`VisionExport.encoder`) from images processed as the host processes them (`optimum_qnn.images`). The encoder itself
 stays in float and is compiled at HTP fp16.
 
-Without images from the user the samples use `synthetic_images`: smooth colour fields with soft shapes and fine
-noise at several sizes and aspect ratios, deterministic, so an export repeats.
+The images are photographs, never noise: `calibration_photos`, the ones scikit-image's wheel ships in
+``skimage/data`` (a registry package of the export install; read as files, scikit-image is not imported).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from optimum_qnn.errors import OptimumQnnError
 from optimum_qnn.session import SoftTokens
 
-# Built-in calibration images when none are given (each one image sample).
-DEFAULT_IMAGE_SAMPLES = 4
-_SIZES = ((640, 480), (480, 640), (800, 300), (256, 256), (1024, 768), (300, 900))
+# The calibration photographs, of scikit-image's ``skimage/data``: a portrait, a still life, a vehicle, a launch.
+# Others there (chelsea.png, the cat; hubble_deep_field.jpg; grass.png; retina.jpg) stay held out for the checks.
+CALIBRATION_PHOTOS = ("astronaut.png", "coffee.png", "motorcycle_left.png", "rocket.jpg")
 
 
-def synthetic_images(count: int = DEFAULT_IMAGE_SAMPLES, seed: int = 0) -> list[Any]:
-    """``count`` photo-like RGB images: a low-frequency colour field (bilinearly upsampled noise), a few soft-edged
-    discs and rectangles in other colours, and pixel noise."""
-    from PIL import Image
+def photos_folder() -> Path:
+    """scikit-image's ``skimage/data`` folder, found without importing scikit-image.
 
-    rng = np.random.default_rng(seed)
-    images = []
-    for i in range(count):
-        width, height = _SIZES[i % len(_SIZES)]
-        coarse = Image.fromarray(rng.integers(0, 256, size=(4 + i % 3, 5 + i % 4, 3), dtype=np.uint8), "RGB")
-        field = np.asarray(coarse.resize((width, height), Image.BILINEAR), dtype=np.float32)
-        y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-        for _ in range(3 + i % 3):
-            cx, cy = rng.uniform(0, width), rng.uniform(0, height)
-            radius = rng.uniform(0.05, 0.3) * min(width, height)
-            inside = np.clip(radius - np.hypot(x - cx, y - cy), 0, 4)[..., None] / 4  # a soft edge of 4 pixels
-            field = field * (1 - inside) + rng.uniform(0, 255, size=3) * inside
-        noisy = field + rng.normal(0, 6, size=field.shape)
-        images.append(Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8), "RGB"))
-    return images
+    Raises:
+        OptimumQnnError: scikit-image is not installed (it comes with ``optimum-qnn[export]``).
+    """
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise OptimumQnnError("A quantized image variant is calibrated on scikit-image's photographs, and "
+                              "scikit-image is not installed: pip install 'optimum-qnn[export]' (or scikit-image)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data"
+
+
+def calibration_photos() -> list[Path]:
+    """The paths of `CALIBRATION_PHOTOS`."""
+    folder = photos_folder()
+    missing = [name for name in CALIBRATION_PHOTOS if not (folder / name).is_file()]
+    if missing:
+        raise OptimumQnnError(f"scikit-image's data folder {folder} lacks {', '.join(missing)}: reinstall "
+                              "scikit-image (its wheel ships them)")
+    return [folder / name for name in CALIBRATION_PHOTOS]
 
 
 def image_samples(vision: Any, seqs: Sequence[Sequence[int]], images: Sequence[Any], bos_id: int | None,

@@ -78,7 +78,7 @@ def quantize_static(
     on the calibrated graphs).
 
     With ``vision`` (an image variant's `VisionExport`), the prefill is calibrated on image prompts too
-    (`image_calibration`): one per built-in calibration image, its soft tokens from the float encoder.
+    (`image_calibration`): one per calibration photograph, its soft tokens from the float encoder.
 
     Returns:
         (method name -> converted graph, the quantization summary rows, the MixedPlan or None).
@@ -103,10 +103,10 @@ def quantize_static(
 
     with_images = []
     if vision is not None:
-        from optimum_qnn.quantization.image_calibration import image_samples, synthetic_images
+        from optimum_qnn.quantization.image_calibration import calibration_photos, image_samples
 
         with stage("image samples"):
-            with_images = image_samples(vision, seqs, synthetic_images(), static.text_config.bos_token_id,
+            with_images = image_samples(vision, seqs, calibration_photos(), static.text_config.bos_token_id,
                                         contract.context_len)
 
     def calibrate(prepared: torch.nn.Module) -> None:
