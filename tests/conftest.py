@@ -395,7 +395,8 @@ def block4_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
 LONGEST_FILES = (
     "tests/runtime/backends/test_ort_program.py", "tests/test_lookahead.py", "tests/test_blocks_emulator.py",
     "tests/test_demo_assistant.py", "tests/test_chat.py", "tests/test_weights.py", "tests/test_window_chunks.py",
-    "tests/test_image_export.py", "tests/test_concurrent_writers.py", "tests/test_assistant_export.py",
+    "tests/test_image_export.py", "tests/test_image_quant.py", "tests/test_concurrent_writers.py",
+    "tests/test_assistant_export.py",
     "tests/test_export.py", "tests/models/gemma4/test_assistant_lowering.py", "tests/models/gemma4/test_vision_lowering.py",
     "tests/runtime/test_speculative_assistant.py", "tests/test_bad_input.py", "tests/models/gemma4/test_parity.py",
     "tests/test_console.py", "tests/test_lowering.py", "tests/test_runtime_venv.py",
