@@ -372,7 +372,10 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_doct
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m optimum_qnn", description="Export Gemma4 text models to Qualcomm HTP.")
+    parser = argparse.ArgumentParser(
+        prog="python -m optimum_qnn",
+        description="Export Gemma 4 models (text, and images with --task image-text-to-text) to Qualcomm HTP, and run them.",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _COMMANDS:
         add(subparsers)
