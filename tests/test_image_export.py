@@ -381,6 +381,35 @@ def test_run_refuses_images_it_cannot_read_before_loading(tmp_path, capsys):
     assert code == 2 and "no such image file" in err
 
 
+def test_the_phone_build_shares_one_context_and_its_weights_between_text_and_vision(multimodal_dir, tmp_path_factory,
+                                                                                  qnn_sdk):
+    """The default build for a phone (weights shared): decode, prefill and the vision encoder compile into one QNN
+    context with one weight pool, and the encoder's graph takes what the contract says. The x86 emulator cannot load
+    weight-shared contexts, so it is inspected, and its load is refused before anything is loaded."""
+    from optimum_qnn.artifacts.inspection import inspect_pte
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.config import EmbeddingQuant, ExportConfig, ExportMode, QuantScheme, ShapeConfig, Soc
+    from optimum_qnn.errors import OptimumQnnError
+    from optimum_qnn.exporter.pipeline import export
+    from optimum_qnn.runtime.images import QNNModelForImageTextToText
+
+    config = ExportConfig(socs=(Soc.SM8650,), quant=QuantScheme.FP16, mode=ExportMode.HYBRID,
+                          shapes=ShapeConfig(CTX, AR), embedding_quant=EmbeddingQuant(0, 0), image_tokens=SOFT)
+    assert config.weight_sharing  # the default
+    out = built_once(tmp_path_factory, "image-fp16-shared",
+                     lambda folder: export(multimodal_dir, folder / "out", config).output)
+    (variant,) = [p.parent for p in out.glob("qnn/*/*/manifest.json")]
+    (context,) = inspect_pte(variant / "model.pte").contexts
+    assert sorted(context.delegates) == ["kv_forward[0]", "prefill_forward[0]", "vision_encoder[0]"]
+    assert context.weight_sharing and context.shared_weights_bytes > 0
+    encoder = read_manifest(variant).runner_contract().method("vision_encoder")
+    (graph,) = [g for g in context.graphs if g.name == "vision_encoder"]
+    assert [(t.dtype, tuple(t.shape)) for t in graph.inputs] == [(t.dtype, tuple(t.shape)) for t in encoder.inputs]
+    assert [tuple(t.shape) for t in graph.outputs] == [tuple(encoder.outputs[0].shape)]
+    with pytest.raises(OptimumQnnError, match="shares weights .* x86 HTP emulator cannot load"):
+        QNNModelForImageTextToText.from_pretrained(out, device="host:executorch")
+
+
 def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, multimodal_dir, demo_model_dir, tmp_path):
     from optimum_qnn.artifacts.manifest import read_manifest
     import argparse
