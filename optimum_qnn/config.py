@@ -368,8 +368,8 @@ class ExportConfig:
             check_supported(soc, features)
 
     def _check_images(self) -> None:
-        """An image variant's budget is one of Hugging Face's, its soft tokens enter through prefill, and what is not
-        built for images yet is refused by name."""
+        """An image variant's budget is one of Hugging Face's and fits its context, its soft tokens enter through
+        prefill, and what is not built for images yet is refused by name."""
         if self.image_tokens is None:
             return
         from optimum_qnn.images import SOFT_TOKEN_BUDGETS
@@ -382,6 +382,12 @@ class ExportConfig:
                                     f"needs --mode hybrid, not --mode {self.mode.value}")
         if self.draft_len is not None:
             raise InvalidInputError("--task image-text-to-text with --assistant is not built yet: drop one of them")
+        context = self.shapes.max_seq_len
+        if context is not None and self.image_tokens + 3 > context:  # BOS, BOI, the soft tokens, EOI
+            raise InvalidInputError(
+                f"An image of --image-tokens {self.image_tokens} takes {self.image_tokens + 3} positions with BOS, BOI "
+                f"and EOI, more than --max-seq-len {context} holds: raise --max-seq-len or lower --image-tokens"
+            )
 
     def _check_lookahead(self) -> None:
         """`lookahead` is set exactly in lookahead mode, its AR fits the context, and the ring layout is refused."""

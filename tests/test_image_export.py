@@ -415,7 +415,7 @@ def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, m
     import argparse
 
     from optimum_qnn.cli import add_export_arguments, config_from_args
-    from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme
+    from optimum_qnn.config import ExportConfig, ExportMode, QuantScheme, ShapeConfig
     from optimum_qnn.exporter.preflight import preflight
     from optimum_qnn.runtime.backends.runner import check_runner_layout
     from optimum_qnn.runtime.images import QNNModelForImageTextToText
@@ -433,6 +433,8 @@ def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, m
         ExportConfig(quant=QuantScheme.A16W8, image_tokens=SOFT, mode=ExportMode.KV)
     with pytest.raises(InvalidInputError, match="--image-tokens must be one of"):
         ExportConfig(quant=QuantScheme.FP16, image_tokens=100)
+    with pytest.raises(InvalidInputError, match="--image-tokens 280 takes 283 positions .* --max-seq-len 256"):
+        ExportConfig(quant=QuantScheme.FP16, image_tokens=280, shapes=ShapeConfig(256, 32))
     with pytest.raises(UnsupportedModelError, match="no vision tower"):
         from optimum_qnn.quantization.calibration import CalibrationSource
 
