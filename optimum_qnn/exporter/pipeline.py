@@ -352,7 +352,7 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
                 graphs[DRAFT_METHOD] = drafting.quantize_for_export(drafter, programs[DRAFT_METHOD], config, tokenizer,
                                                                     texts, contract if quantized_io else None)
         sources = {name: (graphs[name], examples[name]) for name in graphs}
-        if vision is not None:  # the encoder stays float (fp16 on the HTP)
+        if vision is not None:  # the encoder stays float, at HTP fp16 (quantized graphs keep their own encodings)
             sources[vision.method.name] = programs[vision.method.name]
         del programs, examples
         with _stage(result, "map"):  # where the quantized weights live until the lowering is done
@@ -391,8 +391,6 @@ def _export(model: str, result: ExportResult, config: ExportConfig, revision: st
     # each SoC then partitions, compiles and serializes its own copy, the last SoC's lowering (or its unshared
     # inspection build) consuming the edge programs.
     lowering = EdgeLowering(
-        # An image variant's vision encoder stays float: its program compiles at HTP fp16 (a quantized decoder's
-        # graphs carry their own encodings, so fp16 only sets the precision of the float graph beside them).
         sources, fp16=not config.quant.is_quantized or vision is not None, constant_methods=runner_metadata(static, contract),
         skip_ops=_CPU_OPS, int64_inputs={"tokens"}, shard_starts=shard_starts, quantized_io=quantized_io,
         float_outputs=float_outputs,
@@ -494,11 +492,9 @@ def _evaluator(hf_model, static: StaticCausalLM, tokenizer, text_file: Path, max
 _CPU_OPS = frozenset({"aten.embedding.default"})
 
 
-def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, texts: list[str], result: ExportResult,
-              vision=None):
+def _quantize(static: StaticCausalLM, programs, config: ExportConfig, tokenizer, texts, result: ExportResult, vision=None):
     from optimum_qnn.quantization.ptq import quantize_static
 
-    graphs, result.quant_rows, result.mixed_plan = quantize_static(
-        static, programs, config, tokenizer, texts, stage=lambda name: _stage(result, name), vision=vision
-    )
+    graphs, result.quant_rows, result.mixed_plan = quantize_static(static, programs, config, tokenizer, texts,
+                                                                   stage=lambda name: _stage(result, name), vision=vision)
     return graphs
