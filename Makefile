@@ -18,15 +18,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# Three test processes on two cores (pytest-xdist), a test file each at a time, dealt longest first (tests/conftest.py
-# LONGEST_FILES, not xdist's most-tests-first): each export is built once per run by the first to ask (tests/conftest.py
-# built_once). Most of a test's time is one core's (an emulator call), and a process also waits (on a child process,
-# a server, a build another holds): the third fills those gaps.
+# Two test processes (pytest-xdist), a test file each at a time, dealt longest first (tests/conftest.py LONGEST_FILES,
+# not xdist's most-tests-first): each export is built once per run by the first to ask (tests/conftest.py built_once),
+# and most of a test's time is one core's (an emulator call, a QNN compile).
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -n 3 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

@@ -75,8 +75,8 @@ def run_python() -> RunPython:
 
 
 # --- builds shared by the processes of one run ------------------------------------------------------------------
-# The suite may run in several processes (`make test`: `pytest -n 3 --dist loadfile`). An export the tests of more
-# than one use is built once per run, by whichever process asks first, under a lock; the others wait and read it.
+# The suite may run in two processes (`pytest -n 2 --dist loadfile`; `make test` runs one). An export the tests of
+# both use is built once per run, by whichever process asks first, under a lock; the other waits and reads it.
 
 T = TypeVar("T")
 
@@ -389,22 +389,17 @@ def block4_export(demo_model_dir, tmp_path_factory, qnn_sdk) -> Path:
 
 # --- the order files are dealt in ---------------------------------------------------------------------------------
 # Under `make test` (xdist, --dist loadfile --no-loadscope-reorder) each process takes the next file in collection
-# order when it is free: the longest files go first, so that no process is left alone with a long one at the end.
-# Ranked by the summed test times of a fresh clone's run (`--junitxml`, 2026-12-08, two processes: test_ort_program
-# 934 s, test_lookahead 544, test_blocks_emulator 445, test_demo_assistant 347 (training the assistant), ...).
-# The first file trains the demo model (`demo_model_dir`, about 4 min on both cores); a process that asks for it
-# meanwhile waits on its lock, idle. So the next files dealt, one or two per other process, need no demo model.
-NEEDS_NO_DEMO_MODEL = (
-    "tests/test_weights.py", "tests/test_concurrent_writers.py", "tests/test_assistant_export.py", "tests/test_hub.py",
-)
+# order when it is free: the longest files go first, so that neither process is left alone with a long one at the end.
+# Ranked by the summed test times of a fresh clone's two-process run (`--junitxml`, 2026-12-07: test_ort_program 1174 s,
+# test_blocks_emulator 1080, test_lookahead 983, test_demo_assistant 855 (training the assistant), test_chat 791, ...).
 LONGEST_FILES = (
-    "tests/runtime/backends/test_ort_program.py", *NEEDS_NO_DEMO_MODEL[:2], "tests/test_lookahead.py",
-    *NEEDS_NO_DEMO_MODEL[2:], "tests/test_blocks_emulator.py", "tests/test_demo_assistant.py",
-    "tests/test_image_export.py", "tests/test_window_chunks.py", "tests/test_chat.py", "tests/test_image_quant.py",
-    "tests/test_export.py", "tests/models/gemma4/test_assistant_lowering.py", "tests/test_transformers_api.py",
-    "tests/test_console.py", "tests/test_runtime_venv.py", "tests/test_reliability.py", "tests/test_bad_input.py",
-    "tests/test_ring_emulator.py", "tests/test_quantization.py", "tests/models/gemma4/test_vision_lowering.py",
-    "tests/runtime/test_speculative_assistant.py", "tests/models/gemma4/test_parity.py", "tests/test_lowering.py",
+    "tests/runtime/backends/test_ort_program.py", "tests/test_lookahead.py", "tests/test_blocks_emulator.py",
+    "tests/test_demo_assistant.py", "tests/test_chat.py", "tests/test_weights.py", "tests/test_window_chunks.py",
+    "tests/test_image_export.py", "tests/test_image_quant.py", "tests/test_concurrent_writers.py",
+    "tests/test_assistant_export.py",
+    "tests/test_export.py", "tests/models/gemma4/test_assistant_lowering.py", "tests/models/gemma4/test_vision_lowering.py",
+    "tests/runtime/test_speculative_assistant.py", "tests/test_bad_input.py", "tests/models/gemma4/test_parity.py",
+    "tests/test_console.py", "tests/test_lowering.py", "tests/test_runtime_venv.py",
 )
 
 
