@@ -440,3 +440,30 @@ def test_what_cannot_take_images_is_refused_by_name(image_export, fp16_export, m
 
         preflight(str(demo_model_dir), demo_model_dir, ExportConfig(quant=QuantScheme.FP16, image_tokens=SOFT), None,
                   CalibrationSource(), False, None)
+
+
+def test_a_graph_that_fails_on_the_htp_raises_the_qnn_error_without_a_cpu_retry(image_export):
+    """Positions outside the encoder's RoPE tables make its QNN graph fail on the emulator (code 1100). onnxruntime's
+    Python session would rebuild itself on the CPU provider alone from a model file already gone, and raise that
+    retry's error instead; the backend raises the QNN error, names the method, and the program keeps working."""
+    import warnings
+
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.runtime.backends.onnxruntime import OrtProgram
+    from optimum_qnn.sdk.onnxruntime_ep import OrtBackendError
+    from tests.runtime.backends.ort_helpers import variant_dirs
+
+    (folder,) = variant_dirs(image_export)
+    manifest = read_manifest(folder)
+    program = OrtProgram(folder / "model.pte", manifest)
+    specs = next(m for m in manifest.contract.methods if m.name == "vision_encoder").inputs
+    zeros = [np.zeros(t.shape, dtype=t.dtype) for t in specs]
+    outside = [np.full_like(x, 10**6) if t.name.startswith("position") else x for t, x in zip(specs, zeros)]
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(OrtBackendError) as error:
+        warnings.simplefilter("always")
+        program.methods["vision_encoder"](outside)
+    assert "vision_encoder" in str(error.value) and "QNN failed to run it" in str(error.value), error.value
+    assert "1100" in str(error.value) and "NO_SUCHFILE" not in str(error.value), error.value
+    assert not [w for w in caught if "Falling back" in str(w.message)]
+    (soft,) = program.methods["vision_encoder"](zeros)
+    assert soft.shape == (1, SOFT, soft.shape[-1])

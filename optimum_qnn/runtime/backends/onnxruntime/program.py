@@ -132,7 +132,11 @@ class _Method:
             for step in self.steps:
                 if isinstance(step, _GraphCall):
                     feed = {name: values[arg] for name, arg in zip(step.input_names, step.input_args)}
-                    for arg, out in zip(step.output_args, step.session.run(step.output_names, feed)):
+                    try:
+                        results = step.session.run(step.output_names, feed)
+                    except Exception as e:  # onnxruntime's own types (EPFail, Fail...)
+                        raise OrtBackendError(f"{plan.name} of {self.program.path}: QNN failed to run it: {e}") from None
+                    for arg, out in zip(step.output_args, results):
                         values[arg] = out
                 else:
                     kernel, args = step
@@ -288,6 +292,10 @@ class OrtProgram:
             raise OrtBackendError(
                 f"onnxruntime-qnn cannot load QNN graph {graph.name!r} of {self.path}: {e}{full}"
             ) from None
+        # onnxruntime's Python session retries a failed run on the CPU provider alone by building the session again
+        # from its model file: that graph is one QNN node, which the CPU cannot run, and the file is gone by then,
+        # so the retry's error would hide the QNN error the caller must see.
+        session.disable_fallback()
         self._sessions.append(session)
         return session
 
