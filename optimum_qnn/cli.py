@@ -232,7 +232,10 @@ def lookahead_from_args(args: argparse.Namespace) -> Lookahead | None:
     given = {name: getattr(args, name) for name in ("ngram", "window", "gcap") if getattr(args, name) is not None}
     if args.mode != ExportMode.LOOKAHEAD.value and not given:
         return None
-    return Lookahead(**given)
+    shape = Lookahead(**given)
+    if args.mode == ExportMode.LOOKAHEAD.value and shape.runner_refusal():
+        logger.warning("This variant runs on the host backends only. %s.", shape.runner_refusal())
+    return shape
 
 
 def _parse_override(text: str) -> tuple[str, QuantScheme]:

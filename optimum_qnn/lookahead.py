@@ -57,6 +57,24 @@ class Lookahead:
         """Tokens per decode call: the next power of two of `rows`, as ExecuTorch compiles ``kv_forward``."""
         return next_pow2(self.rows)
 
+    @property
+    def fills_ar(self) -> bool:
+        """Whether the tree uses every row of a call. ExecuTorch's runner takes a parent row from its attention map
+        for each of the call's AR rows, and the map holds `rows` entries (`KVManager::init_attention_mask`): below AR
+        it reads past the map's end, and crashed there (a 16a8w export of N 4, W 3, G 3: 18 rows, AR 32). Its
+        defaults (5, 8, 8: 64 rows) fill AR."""
+        return self.rows == self.ar_len
+
+    def runner_refusal(self) -> str | None:
+        """Why ExecuTorch's ``qnn_llama_runner`` cannot run this shape, or None."""
+        if self.fills_ar:
+            return None
+        return (f"ExecuTorch's qnn_llama_runner cannot run lookahead with --ngram {self.ngram} --window {self.window} "
+                f"--gcap {self.gcap}: the tree fills {self.rows} of the decode call's {self.ar_len} rows, and the runner "
+                f"reads a parent for every row, past the {self.rows} it has (it crashed). Export a shape whose "
+                "(window + gcap) * (ngram - 1) is a power of two (ExecuTorch's 5, 8, 8 gives 64; 5, 4, 4 gives 32), or "
+                "run this one on a host backend (device='host')")
+
     def parents(self) -> list[int]:
         """Row -> the row it continues (-1: only the cache), ExecuTorch's ``attention_map`` for this shape."""
         n, w = self.ngram, self.window

@@ -17,7 +17,9 @@ from optimum_qnn.lookahead import Lookahead
 from optimum_qnn.ops.mask import MASK_MIN, tree_mask
 from tests.conftest import run_main
 
-SHAPE = Lookahead(ngram=4, window=3, gcap=3)  # 18 rows, AR 32: longer than the demo's window of 16
+SHAPE = Lookahead(ngram=5, window=4, gcap=4)  # 32 rows, AR 32: longer than the demo's window of 16
+# 18 rows in AR 32: the host's session pads the call; ExecuTorch's runner cannot run it (`Lookahead.fills_ar`)
+PADDED = Lookahead(ngram=4, window=3, gcap=3)
 CTX, PREFILL = 96, 16
 REAL_RUNNER = os.environ.get("QNN_LLAMA_RUNNER")
 TEXTS = ("The for statement", "Assignment statements are used to (re)bind names to values", "In the beginning")
@@ -62,7 +64,8 @@ def lookahead_export(demo_model_dir, tmp_path_factory, qnn_sdk):
 def test_shape_follows_executorchs_runner():
     """AR = next_pow2((W + G) * (N - 1)) (ExecuTorch's defaults 5/8/8: 64); the attention map and position offsets of
     lhd_token_generator for N=3, W=2, G=2: level 0 a chain, level 1 under level 0, each candidate a chain off row 0."""
-    assert (Lookahead().ar_len, SHAPE.rows, SHAPE.ar_len, Lookahead(3, 2, 2).ar_len) == (64, 18, 32, 8)
+    assert (Lookahead().ar_len, SHAPE.rows, SHAPE.ar_len, Lookahead(3, 2, 2).ar_len) == (64, 32, 32, 8)
+    assert (PADDED.rows, PADDED.ar_len) == (18, 32)
     small = Lookahead(3, 2, 2)
     assert small.parents() == [-1, 0, 0, 1, 0, 4, 0, 6]
     assert small.offsets() == [0, 1, 1, 2, 1, 2, 1, 2]
@@ -121,7 +124,7 @@ def test_eager_lookahead_equals_plain_greedy_and_keeps_the_same_caches(demo_mode
     from optimum_qnn.runtime.tokenizer import ArtifactTokenizer
     from optimum_qnn.session import KVSession, torch_method
 
-    shape = SHAPE
+    shape = PADDED  # rows below AR: the session pads the call
     static = StaticCausalLM.from_hf(load_text_model(demo_model_dir)[0], max_context_len=CTX, ar_len=PREFILL,
                                     decode_ar_len=shape.ar_len)
     methods = {m.name: torch_method(static.module) for m in static.contract.methods}
@@ -197,11 +200,11 @@ def test_manifest_records_the_shape_and_the_runner_arguments(lookahead_export):
     from optimum_qnn.artifacts.manifest import read_manifest
 
     (manifest_file,) = (lookahead_export("fp16") / "qnn" / "sm8650").glob("*/manifest.json")
-    assert manifest_file.parent.name == "fp16-ctx96-lhd4w3g3"
+    assert manifest_file.parent.name == "fp16-ctx96-lhd5w4g4"
     manifest = read_manifest(manifest_file)
     info = manifest.contract.lookahead
-    assert (info.ngram, info.window, info.gcap, info.ar_len) == (4, 3, 3, 32)
-    assert info.runner_args == ["--eval_mode", "2", "--ngram", "4", "--window", "3", "--gcap", "3"]
+    assert (info.ngram, info.window, info.gcap, info.ar_len) == (5, 4, 4, 32)
+    assert info.runner_args == ["--eval_mode", "2", "--ngram", "5", "--window", "4", "--gcap", "4"]
     assert {m.name: m.ar_len for m in manifest.contract.methods} == {"prefill_forward": PREFILL, "kv_forward": 32}
 
 
@@ -292,3 +295,28 @@ def test_runner_overshooting_the_budget_keeps_only_the_tokens_asked_for(lookahea
     kept = model.backend.report.text
     assert text.startswith(kept) and len(kept) < len(text)
     assert tok.encode(kept, add_special_tokens=False).ids == ids[:asked]
+
+
+def test_a_shape_that_leaves_rows_empty_is_refused_for_the_runner_and_warned_at_export(lookahead_export, tmp_path,
+                                                                                    capsys, qnn_sdk):
+    """ExecuTorch's runner reads a parent for every row of the call from an attention map of `rows` entries
+    (`KVManager::init_attention_mask`): N 4, W 3, G 3 (18 rows in AR 32) crashed it at 16a8w (SIGSEGV in the map's
+    copy). Such a variant is refused for device="runner" before any run, and the export says it runs on the host
+    backends only."""
+    from optimum_qnn.artifacts.manifest import read_manifest
+    from optimum_qnn.runtime.backends.runner import RunnerBackend
+    from tests.test_device_runner import _stand_in
+
+    assert SHAPE.fills_ar and SHAPE.runner_refusal() is None and Lookahead().fills_ar and not PADDED.fills_ar
+    root = lookahead_export("fp16")
+    (variant,) = (p.parent for p in (root / "qnn" / "sm8650").glob("*/manifest.json"))
+    manifest = read_manifest(variant / "manifest.json")
+    info = dataclasses.replace(manifest.contract.lookahead, ngram=4, window=3, gcap=3)
+    padded = dataclasses.replace(manifest, contract=dataclasses.replace(manifest.contract, lookahead=info))
+    runner, _, record = _stand_in(tmp_path / "build")
+    with pytest.raises(InvalidInputError, match=r"fills 18 of the decode call's 32 rows.*device='host'"):
+        RunnerBackend(root, variant, padded, device="runner", runner=runner)
+    assert not record.exists()
+    code, _, err = run_main(["export", "--model", tmp_path / "absent", "--output", tmp_path / "out", "--mode",
+                             "lookahead", "--ngram", "4", "--window", "3", "--gcap", "3"], capsys)
+    assert code == 2 and "runs on the host backends only" in err and "fills 18 of" in err, err
