@@ -147,9 +147,8 @@ def _built_example(script: str, args: Sequence[Path], is_built: Callable[[], boo
     """Run examples/SCRIPT ARGS unless ``is_built()``; returns the last argument (the folder it writes)."""
     with _locked(DEMO_CACHE / f"{script}.lock"):  # both test processes may ask for it first
         if not is_built():  # trained in a fresh interpreter: nothing a test has set in this one changes it
-            env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}  # training sets its own count
             proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / script), *map(str, args)],
-                                  env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
+                                  env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600)
             assert proc.returncode == 0 and is_built(), proc.stderr[-3000:]
     return args[-1]
 
@@ -402,17 +401,6 @@ LONGEST_FILES = (
     "tests/runtime/test_speculative_assistant.py", "tests/test_bad_input.py", "tests/models/gemma4/test_parity.py",
     "tests/test_console.py", "tests/test_lowering.py", "tests/test_runtime_venv.py",
 )
-
-
-def pytest_configure(config) -> None:
-    """Under `make test` (two processes on two cores) each process's torch computes on one thread, and so do the
-    Python children it starts (`child_env` copies the variable; the demo models' training sets its own count). Two
-    threads a process meant four on two cores: each parallel op waited for a thread the other process's work had
-    descheduled, spinning meanwhile."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if "torch" in sys.modules:
-            sys.modules["torch"].set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
