@@ -233,8 +233,9 @@ def lookahead_from_args(args: argparse.Namespace) -> Lookahead | None:
     if args.mode != ExportMode.LOOKAHEAD.value and not given:
         return None
     shape = Lookahead(**given)
-    if args.mode == ExportMode.LOOKAHEAD.value and shape.runner_refusal():
-        logger.warning("This variant runs on the host backends only. %s.", shape.runner_refusal())
+    refusal = shape.runner_refusal() if args.mode == ExportMode.LOOKAHEAD.value else None
+    if refusal:
+        logger.warning("This variant runs on the host backends only. %s.", refusal)
     return shape
 
 

@@ -17,6 +17,7 @@ So ``(W + G) * (N - 1)`` rows are used; ExecuTorch compiles ``kv_forward`` with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from optimum_qnn.errors import InvalidInputError
 
@@ -100,3 +101,9 @@ class Lookahead:
     def to_dict(self) -> dict[str, object]:
         return {"ngram": self.ngram, "window": self.window, "gcap": self.gcap, "ar_len": self.ar_len,
                 "runner_args": self.runner_args()}
+
+
+def lookahead_of(manifest: Any) -> Lookahead | None:
+    """N, W and G of a variant exported with ``--mode lookahead`` (from its `Manifest`), else None."""
+    info = manifest.contract.lookahead
+    return None if info is None else Lookahead(info.ngram, info.window, info.gcap)

@@ -24,7 +24,7 @@ import numpy as np
 
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.errors import ContextOverflowError
-from optimum_qnn.lookahead import Lookahead
+from optimum_qnn.lookahead import lookahead_of
 from optimum_qnn.runtime.assistant import AssistantDecoder, assistant_of
 from optimum_qnn.runtime.generation import GenerationStats, Sampling, common_prefix, eos_ids
 from optimum_qnn.runtime.lookahead import LookaheadDecoder
@@ -164,12 +164,6 @@ def image_keys(ids: list[int], images: SoftTokens) -> list:
     for i in np.flatnonzero(images.mask):
         keys[i] = ("image", hashlib.blake2b(images.embeds[i].tobytes(), digest_size=16).hexdigest())
     return keys
-
-
-def lookahead_of(manifest: Manifest) -> Lookahead | None:
-    """N, W and G of a variant exported with ``--mode lookahead`` (from its manifest), else None."""
-    info = manifest.contract.lookahead
-    return None if info is None else Lookahead(info.ngram, info.window, info.gcap)
 
 
 class ExecuTorchBackend(InProcessBackend):

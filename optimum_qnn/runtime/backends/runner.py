@@ -39,7 +39,7 @@ import numpy as np
 from optimum_qnn.artifacts.manifest import Manifest, resolve_inside
 from optimum_qnn.contract import DECODE_METHOD, DRAFT_METHOD, PREFILL_METHOD
 from optimum_qnn.errors import InvalidInputError, UnsupportedParameterError
-from optimum_qnn.lookahead import Lookahead
+from optimum_qnn.lookahead import lookahead_of
 from optimum_qnn.runtime.backends.bundle import (
     BACKEND_LIBRARY, RUNNER_NAME, BundleFile, find_backend_library, find_runner,
 )
@@ -122,10 +122,10 @@ class RunnerBackend:
         self.hybrid = any(m.name == PREFILL_METHOD for m in self.contract.methods)
         # A lookahead export runs as ExecuTorch runs it: --eval_mode 2 with the N, W, G its manifest records.
         self.lookahead = manifest.contract.lookahead
-        if self.lookahead is not None:
-            refusal = Lookahead(self.lookahead.ngram, self.lookahead.window, self.lookahead.gcap).runner_refusal()
-            if refusal:
-                raise InvalidInputError(f"Variant {self.variant.name}: {refusal}")
+        shape = lookahead_of(manifest)
+        refusal = shape.runner_refusal() if shape is not None else None
+        if refusal:
+            raise InvalidInputError(f"Variant {self.variant.name}: {refusal}")
         spec = DeviceSpec.parse(device)
         if spec.kind == "host":
             raise InvalidInputError(
